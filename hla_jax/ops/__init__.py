@@ -1,0 +1,32 @@
+"""Pure-function operators: one module per family, one public entry each with ``impl=`` dispatch.
+
+    o = ops.hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64)
+    o = ops.ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64)
+    o = ops.hla3(q, k, v, g=None, *, mask="causal", normalize=False, impl="auto", chunk_size=64)
+    o = ops.linear_attention(q, k, v, g=None, *, impl="auto")
+    o = ops.mamba2(q, k, v, g, *, impl="auto", chunk_size=64)
+    o = ops.gated_deltanet(q, k, v, g, beta, *, impl="auto", chunk_size=64)
+    o = ops.loglinear_mamba2(q, k, v, g, lam, *, impl="auto", chunk_size=64)
+    o = ops.loglinear_gated_deltanet(q, k, v, g, beta, lam, *, impl="auto", chunk_size=64)
+
+q, k: [B,T,H,d]; v: [B,T,H,dv]; g: [B,T,H] log-decay (<= 0); beta: [B,T,H];
+lam: [B,T,H,levels]; impl: "reference" | "recurrent" | "scan" | "chunked" | "auto".
+"""
+
+from hla_jax.ops import ahla as ahla_family
+from hla_jax.ops import fenwick, reference
+from hla_jax.ops import hla2 as hla2_family
+from hla_jax.ops import hla3 as hla3_family
+from hla_jax.ops import linear as linear_family
+from hla_jax.ops import loglinear as loglinear_family
+from hla_jax.ops.ahla import ahla
+from hla_jax.ops.hla2 import hla2
+from hla_jax.ops.hla3 import hla3
+from hla_jax.ops.linear import linear_attention, mamba2
+from hla_jax.ops.loglinear import gated_deltanet, loglinear_gated_deltanet, loglinear_mamba2
+
+__all__ = [
+    "ahla", "hla2", "hla3", "linear_attention", "mamba2", "gated_deltanet",
+    "loglinear_mamba2", "loglinear_gated_deltanet", "reference", "fenwick",
+    "hla2_family", "ahla_family", "hla3_family", "linear_family", "loglinear_family",
+]

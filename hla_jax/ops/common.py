@@ -1,0 +1,182 @@
+"""Pieces shared by every operator family: input checks, gates, chunking, decays.
+
+Shapes follow SPEC.md: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (log-decay,
+``<= 0``), ``beta: [B,T,H]``, ``lam: [B,T,H,L]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
+
+
+def state_dtype(*xs) -> jnp.dtype:
+    """float32 state whatever the inputs; float64 when any input is float64."""
+    return jnp.result_type(jnp.float32, *[x.dtype for x in xs if x is not None])
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_impl(impl: str, allowed: Sequence[str] = IMPLS) -> str:
+    if impl not in allowed:
+        raise ValueError(f"impl={impl!r} is not one of {tuple(allowed)}")
+    return impl
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return int(chunk_size)
+
+
+def check_qkv(q, k, v, *, name: str = "operator"):
+    """Validate ``q, k: [B,T,H,d]`` and ``v: [B,T,H,dv]``; return ``(B, T, H, d, dv)``."""
+    for arg, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            shape = getattr(x, "shape", None)
+            want = "[B,T,H,dv]" if arg == "v" else "[B,T,H,d]"
+            raise ValueError(f"{name}: {arg} must have rank 4 {want}, got shape {shape}")
+    if q.shape != k.shape:
+        raise ValueError(f"{name}: k must have the shape of q [B,T,H,d]={q.shape}, got {k.shape}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"{name}: v must have shape [B,T,H,dv] with [B,T,H]={q.shape[:3]}, got {v.shape}"
+        )
+    B, T, H, d = q.shape
+    return B, T, H, d, v.shape[-1]
+
+
+def check_gate(g, B: int, T: int, H: int, *, name: str = "operator", required: bool = False):
+    """Normalise a log-decay to ``[B,T,H]`` (or ``None``).
+
+    ``g`` may be ``None`` (no decay), a per-head constant ``[H]``, or per-token ``[B,T,H]``.
+    Raises ValueError for another shape or (when the values are concrete) a positive entry.
+    """
+    if g is None:
+        if required:
+            raise ValueError(f"{name}: g (log-decay [B,T,H]) is required")
+        return None
+    g = jnp.asarray(g)
+    if g.shape == (H,):
+        g = jnp.broadcast_to(g, (B, T, H))
+    elif g.shape != (B, T, H):
+        raise ValueError(f"{name}: g must have shape [B,T,H]={(B, T, H)} or [H]={(H,)}, got {g.shape}")
+    if _is_concrete(g) and bool(jnp.any(g > 0)):
+        raise ValueError(f"{name}: g is a log-decay and must be <= 0 everywhere")
+    return g
+
+
+def check_per_token(x, B: int, T: int, H: int, arg: str, *, name: str = "operator"):
+    """Check a per-token per-head tensor such as ``beta: [B,T,H]``."""
+    x = jnp.asarray(x)
+    if x.shape != (B, T, H):
+        raise ValueError(f"{name}: {arg} must have shape [B,T,H]={(B, T, H)}, got {x.shape}")
+    return x
+
+
+def gate_or_zeros(g, B: int, T: int, H: int, dtype) -> jax.Array:
+    """``g`` as ``[B,T,H]`` in ``dtype``, zeros (no decay) when ``g is None``."""
+    if g is None:
+        return jnp.zeros((B, T, H), dtype)
+    return g.astype(dtype)
+
+
+def clamp_signed(x, eps: float):
+    """``sign(x) * max(|x|, eps)`` with ``sign(0) = +1`` (SPEC §1)."""
+    return jnp.where(x >= 0, jnp.maximum(x, eps), jnp.minimum(x, -eps))
+
+
+def pad_time(x, multiple: int):
+    """Zero-pad axis 1 (time) up to a multiple of ``multiple``.
+
+    Padding is appended after the real tokens, so with causal operators it never changes the
+    outputs of real positions (a zero log-decay and zero keys/values add nothing).
+    """
+    T = x.shape[1]
+    pad = (-T) % multiple
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def to_chunks(x, c: int):
+    """``[B,T,H,...] -> [B,H,N,c,...]`` with T a multiple of c (pad first)."""
+    B, T, H = x.shape[:3]
+    x = x.reshape(B, T // c, c, H, *x.shape[3:])
+    return jnp.moveaxis(x, 3, 1)
+
+
+def from_chunks(x, T: int):
+    """``[B,H,N,c,...] -> [B,T,H,...]``, dropping padding beyond ``T``."""
+    B, H, N, c = x.shape[:4]
+    x = jnp.moveaxis(x, 1, 3).reshape(B, N * c, H, *x.shape[4:])
+    return x[:, :T]
+
+
+def segsum(g):
+    """Log of the decay matrix: ``out[..., t, s] = g[s+1] + ... + g[t]`` for ``s <= t``, else -inf.
+
+    Built by masked cumulative sums (no differences of cumulative sums), so it stays finite
+    and exact even when a log-decay is -inf.  ``g: [..., c] -> [..., c, c]``.
+    """
+    c = g.shape[-1]
+    x = jnp.broadcast_to(g[..., :, None], (*g.shape, c))  # x[..., t, s] = g[t]
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    x = jnp.cumsum(jnp.where(strict, x, 0), axis=-2)
+    return jnp.where(jnp.tril(jnp.ones((c, c), bool)), x, -jnp.inf)
+
+
+def decay_matrix(g):
+    """``Γ[..., t, s] = D(t, s)`` for ``s <= t`` and 0 above the diagonal; ``[..., c] -> [..., c, c]``."""
+    return jnp.exp(segsum(g))
+
+
+def causal_mask(T: int, dtype=bool):
+    """``L``: lower-triangular ones including the diagonal, ``[T, T]``."""
+    return jnp.tril(jnp.ones((T, T), dtype))
+
+
+def max_levels(T: int) -> int:
+    """Number of Fenwick levels ``⌈log2 T⌉ + 1`` that a sequence of length ``T`` needs."""
+    return max(1, math.ceil(math.log2(max(T, 1))) + 1)
+
+
+def exclusive_scan(combine, identity, elems, axis: int):
+    """Exclusive prefix of ``elems`` under ``combine`` along ``axis`` (earlier segments first).
+
+    ``combine(a, b)`` is a family's segment combine (a before b), broadcasting over leading
+    axes; ``identity`` is the empty segment's summary with ``axis`` of length 1.  Uses
+    ``jax.lax.associative_scan``, so the depth is O(log N).
+    """
+    inclusive = jax.lax.associative_scan(combine, elems, axis=axis)
+    n = jax.tree.leaves(elems)[0].shape[axis]
+    return jax.tree.map(
+        lambda e, x: jnp.concatenate([e.astype(x.dtype), jax.lax.slice_in_dim(x, 0, n - 1, axis=axis)], axis),
+        identity, inclusive)
+
+
+def scan_time(step, state, *xs):
+    """Serial recurrence over time: ``state, o_t = step(state, x_t...)`` for each t.
+
+    ``xs`` are ``[B,T,H,...]`` (``None`` entries are passed through as ``None``); ``step``
+    sees ``[B,H,...]`` slices.  Returns ``(outputs [B,T,H,...], final_state)``.
+    """
+    present = [x for x in xs if x is not None]
+    moved = [jnp.moveaxis(x, 1, 0) for x in present]
+
+    def body(s, sl):
+        it = iter(sl)
+        return step(s, *[None if x is None else next(it) for x in xs])
+
+    state, out = jax.lax.scan(body, state, moved)
+    return jax.tree.map(lambda o: jnp.moveaxis(o, 0, 1), out), state
