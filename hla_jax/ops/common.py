@@ -180,3 +180,58 @@ def scan_time(step, state, *xs):
 
     state, out = jax.lax.scan(body, state, moved)
     return jax.tree.map(lambda o: jnp.moveaxis(o, 0, 1), out), state
+
+
+def with_ones_column(v):
+    """``[..., dv] -> [..., dv+1]``: V with a column of ones appended.
+
+    Every HLA operator is linear in V and its normalisation denominator is the same operator with
+    V replaced by ones, so one pass over ``[V | 1]`` yields numerator and denominator together.
+    """
+    return jnp.concatenate([v, jnp.ones_like(v[..., :1])], -1)
+
+
+def ratio_last_column(o, eps: float):
+    """``o[..., :-1] / clamp_signed(o[..., -1:], eps)``: undo ``with_ones_column``."""
+    return o[..., :-1] / clamp_signed(o[..., -1:], eps)
+
+
+def empty_segment(like, axis: int):
+    """The identity of a segment combine: a summary like ``like`` (a NamedTuple whose first field
+    is the decay product ρ) with ρ = 1 and every other field 0, and ``axis`` of length 1."""
+    def one(x, fill):
+        shape = list(x.shape)
+        shape[axis] = 1
+        return jnp.full(shape, fill, x.dtype)
+    return type(like)(*(one(x, 1 if i == 0 else 0) for i, x in enumerate(like)))
+
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def ein(spec: str, *xs):
+    """``jnp.einsum`` at full float32 precision (no TF32 on GPU)."""
+    return jnp.einsum(spec, *xs, precision=HIGHEST)
+
+
+def mm(a, b):
+    """Batched ``a @ b`` at full float32 precision."""
+    return jnp.matmul(a, b, precision=HIGHEST)
+
+
+def tr(x):
+    """Transpose of the last two axes."""
+    return jnp.swapaxes(x, -1, -2)
+
+
+def outer(a, b):
+    """Batched outer product ``a bᵀ``: ``[...,m], [...,n] -> [...,m,n]``."""
+    return a[..., :, None] * b[..., None, :]
+
+
+def cast_inputs(q, k, v, g, normalize: bool):
+    """Cast ``q, k, v, g`` to the state dtype; with ``normalize`` append a ones column to ``v``."""
+    dt = state_dtype(q, k, v, g)
+    v = v.astype(dt)
+    return (q.astype(dt), k.astype(dt), with_ones_column(v) if normalize else v,
+            None if g is None else g.astype(dt))

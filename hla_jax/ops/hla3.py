@@ -1,5 +1,418 @@
-"""Placeholder until the hla3 family lands."""
+"""Third-order HLA, SPEC.md §3, two semantics (``mask="causal"`` is the default).
+
+causal:  o_t = Σ_{u≤t} Σ_{i,j≤u} D(t,i) D(t,u) D(u,j) (q_t·k_i)(q_u·k_i)(q_u·k_j) v_j
+         (= ((W_g Wᵀ) ∘ Γ)(W_g V); without decay (((W Wᵀ) ∘ L) W) V)
+paper:   o_t = Σ over triples (i,u,j) ≤ t whose largest index occurs at least twice of
+         (q_t·k_i)(k_i·q_u)(q_u·k_j) v_j  (no decay; the HLA paper's streaming algebra)
+
+optionally ratio-normalised: ``o_t / clamp_signed(den_t, eps)``, ``den`` the same sum with ``v_j``
+replaced by 1.  Both operators are linear in V, so the normalised form runs once on ``[V | 1]``
+(``dv + 1`` columns): the last column of every ``d×dv`` state is its ``mK`` twin (P -> mK).
+Forms that agree: ``reference``, ``recurrent`` (``step`` = decode step), token-level associative
+``scan`` (``combine``), ``chunked``.  Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``,
+``g: [B,T,H]`` (log-decay ``<= 0``), ``[H]`` or ``None``; outputs ``[B,T,H,dv]`` in the state dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hla_jax.ops import reference
+from hla_jax.ops.common import (
+    cast_inputs,
+    causal_mask,
+    check_chunk_size,
+    check_gate,
+    check_impl,
+    check_qkv,
+    decay_matrix,
+    ein,
+    empty_segment,
+    exclusive_scan,
+    from_chunks,
+    gate_or_zeros,
+    mm,
+    outer,
+    pad_time,
+    ratio_last_column,
+    scan_time,
+    state_dtype,
+    to_chunks,
+    tr,
+)
+
+IMPLS = ("reference", "recurrent", "scan", "chunked", "auto")
+MASKS = ("causal", "paper")
 
 
-def hla3(*a, **k):
-    raise NotImplementedError
+def _vq(q, M):
+    """``qᵀ M`` for ``q: [...,d]``, ``M: [...,d,n]``."""
+    return ein("...i,...in->...n", q, M)
+
+
+def _check_mask(mask, g):
+    if mask not in MASKS:
+        raise ValueError(f"hla3: mask={mask!r} is not one of {MASKS}")
+    if mask == "paper" and g is not None:
+        raise ValueError("hla3: mask='paper' is defined without decay: g must be None")
+
+
+def _finish(o, normalize: bool, eps):
+    return ratio_last_column(o, eps) if normalize else o
+
+
+# ---------------------------------------------------------------------------------------------
+# causal
+
+
+class State(NamedTuple):
+    """Causal recurrent state, each ``[B,H,...]``: ``S: d×d``, ``P, F: d×dv``."""
+    S: jax.Array
+    P: jax.Array
+    F: jax.Array
+
+
+class Summary(NamedTuple):
+    """Causal segment summary ``(ρ, S, P, Q2, X, Y, F)``, any leading axes ``[...]``.
+
+    ``ρ: [...]``; ``S, Q2, Y: [...,d,d]``; ``P, X, F: [...,d,dv]``; ``Q2 = Σ q qᵀ`` is NOT
+    decayed.  With ``S_u, P_u`` the segment-local prefixes and ``D = D(end,u)``:
+    ``X = Σ D q_u q_uᵀ P_u``, ``Y = Σ D S_u q_u q_uᵀ``, ``F = Σ D² (S_u q_u)(q_uᵀ P_u)``.
+    """
+    rho: jax.Array
+    S: jax.Array
+    P: jax.Array
+    Q2: jax.Array
+    X: jax.Array
+    Y: jax.Array
+    F: jax.Array
+
+
+def init_state(B: int, H: int, d: int, dv: int, *, normalize: bool = False,
+               dtype=jnp.float32) -> State:
+    """The empty causal prefix (``dv + 1`` value columns when ``normalize``)."""
+    dvn = dv + normalize
+    return State(jnp.zeros((B, H, d, d), dtype), jnp.zeros((B, H, d, dvn), dtype),
+                 jnp.zeros((B, H, d, dvn), dtype))
+
+
+def readout(s, q, *, normalize: bool = False, eps: float = 1e-6):
+    """``o = qᵀ F`` from a causal prefix state or summary (``q: [...,d]``)."""
+    return _finish(_vq(q, s.F), normalize, eps)
+
+
+def step(state: State, q_t, k_t, v_t, g_t=None, *, normalize: bool = False, eps: float = 1e-6):
+    """One token of the causal recurrence; ``q_t, k_t: [B,H,d]``, ``v_t: [B,H,dv]``, ``g_t: [B,H]``.
+
+        S ← a S + k kᵀ     P ← a P + k vᵀ     F ← a² F + (S q)(qᵀ P)     o = qᵀ F
+
+    Returns ``(o_t [B,H,dv], new_state)``.
+    """
+    q_t, k_t, v_t, g_t = cast_inputs(q_t, k_t, v_t, g_t, normalize)
+    a = 1.0 if g_t is None else jnp.exp(g_t)[..., None, None]
+    S = a * state.S + outer(k_t, k_t)
+    P = a * state.P + outer(k_t, v_t)
+    new = State(S, P, a**2 * state.F + outer(_vq(q_t, S), _vq(q_t, P)))
+    return readout(new, q_t, normalize=normalize, eps=eps), new
+
+
+def token_summaries(q, k, v, g=None) -> Summary:
+    """Per-token ``(a, kkᵀ, kvᵀ, qqᵀ, qqᵀkvᵀ, kkᵀqqᵀ, kkᵀqqᵀkvᵀ)``, any leading axes."""
+    rho = jnp.ones(q.shape[:-1], q.dtype) if g is None else jnp.exp(g)
+    qk = jnp.sum(q * k, -1)[..., None, None]
+    S, P, Q2 = outer(k, k), outer(k, v), outer(q, q)
+    return Summary(rho, S, P, Q2, qk * outer(q, v), qk * outer(k, q), qk**2 * P)
+
+
+def combine(a: Summary, b: Summary) -> Summary:
+    """Segment ``a`` followed by segment ``b`` (associative; broadcasts over leading axes).
+
+        S = ρ_B S_A + S_B    P = ρ_B P_A + P_B    Q2 = Q2_A + Q2_B
+        X = ρ_B X_A + ρ_B Q2_B P_A + X_B          Y = ρ_B Y_A + ρ_B S_A Q2_B + Y_B
+        F = ρ_B² F_A + F_B + ρ_B² S_A Q2_B P_A + ρ_B S_A X_B + ρ_B Y_B P_A
+    """
+    r = b.rho[..., None, None]
+    SQ = mm(a.S, b.Q2)
+    return Summary(
+        rho=a.rho * b.rho,
+        S=r * a.S + b.S,
+        P=r * a.P + b.P,
+        Q2=a.Q2 + b.Q2,
+        X=r * (a.X + mm(b.Q2, a.P)) + b.X,
+        Y=r * (a.Y + SQ) + b.Y,
+        F=r**2 * (a.F + mm(SQ, a.P)) + r * (mm(a.S, b.X) + mm(b.Y, a.P)) + b.F,
+    )
+
+
+def chunk_summaries(Q, K, V, g, Gam, Wg, WgV) -> Summary:
+    """Each chunk's own causal summary; ``Q, K: [...,c,d]``, ``V, WgV = W_g V: [...,c,dv]``.
+
+    With ``γ_τ = D(c,τ)`` (last row of Γ), rows ``q_τᵀ P_τ = (W_g V)_τ`` and
+    ``(S_τ q_τ)ᵀ = (W_g K)_τ``: ``S = (γ∘K)ᵀ K``, ``P = (γ∘K)ᵀ V``, ``Q2 = QᵀQ``,
+    ``X = (γ∘Q)ᵀ W_g V``, ``Y = (W_g K)ᵀ (γ∘Q)``, ``F = (W_g K)ᵀ diag(γ²) W_g V``.
+    """
+    gam = Gam[..., -1, :, None]
+    WgK = mm(Wg, K)
+    return Summary(
+        rho=jnp.exp(jnp.sum(g, -1)),
+        S=mm(tr(gam * K), K),
+        P=mm(tr(gam * K), V),
+        Q2=mm(tr(Q), Q),
+        X=mm(tr(gam * Q), WgV),
+        Y=mm(tr(WgK), gam * Q),
+        F=mm(tr(WgK), gam**2 * WgV),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# paper
+
+
+class PaperState(NamedTuple):
+    """``paper`` state, each ``[B,H,...]``: moments ``SK, SQ: d×d``, ``P: d×dv``, and the cross
+    summaries ``G1, G2, G3: d×dv``.  The prefix operator is ``H = SK SQ P − G1 − G2 − G3``."""
+    SK: jax.Array
+    SQ: jax.Array
+    P: jax.Array
+    G1: jax.Array
+    G2: jax.Array
+    G3: jax.Array
+
+
+class PaperSummary(NamedTuple):
+    """``paper`` segment summary, any leading axes ``[...]`` (no decay, so no ρ).
+
+    ``SK, SQ, X = Σ (q·k) k qᵀ: [...,d,d]``; ``P, Y = Σ (q·k) q vᵀ: [...,d,dv]``;
+    ``M = Σ k⊗k⊗k⊗v: [...,d,d,d,dv]``, the map ``M[Z] = Σ (kᵀ Z k) k vᵀ`` stored densely
+    (d³·dv numbers); ``H: [...,d,dv]`` the sum over the segment's triples with a repeated maximum.
+    """
+    SK: jax.Array
+    SQ: jax.Array
+    P: jax.Array
+    X: jax.Array
+    Y: jax.Array
+    M: jax.Array
+    H: jax.Array
+
+
+def paper_init_state(B: int, H: int, d: int, dv: int, *, normalize: bool = False,
+                     dtype=jnp.float32) -> PaperState:
+    """The empty ``paper`` prefix (``dv + 1`` value columns when ``normalize``)."""
+    dd, dvn = jnp.zeros((B, H, d, d), dtype), jnp.zeros((B, H, d, dv + normalize), dtype)
+    return PaperState(dd, dd, dvn, dvn, dvn, dvn)
+
+
+def _paper_H(s: PaperState):
+    return mm(mm(s.SK, s.SQ), s.P) - s.G1 - s.G2 - s.G3
+
+
+def paper_step(state: PaperState, q_t, k_t, v_t, *, normalize: bool = False, eps: float = 1e-6):
+    """One token of the ``paper`` recurrence (cross summaries BEFORE the moments take token t):
+
+        G1 += k kᵀ SQ P     G2 += SK q qᵀ P     G3 += SK SQ k vᵀ
+        SK += k kᵀ          SQ += q qᵀ          P += k vᵀ          o = qᵀ(SK SQ P − G1 − G2 − G3)
+
+    Returns ``(o_t [B,H,dv], new_state)``.
+    """
+    q_t, k_t, v_t, _ = cast_inputs(q_t, k_t, v_t, None, normalize)
+    s = state
+    kSQ = _vq(k_t, s.SQ)  # (SQ k)ᵀ, SQ symmetric
+    new = PaperState(
+        SK=s.SK + outer(k_t, k_t),
+        SQ=s.SQ + outer(q_t, q_t),
+        P=s.P + outer(k_t, v_t),
+        G1=s.G1 + outer(k_t, _vq(kSQ, s.P)),
+        G2=s.G2 + outer(_vq(q_t, s.SK), _vq(q_t, s.P)),
+        G3=s.G3 + outer(_vq(kSQ, s.SK), v_t),
+    )
+    qSK = _vq(q_t, new.SK)
+    o = _vq(_vq(qSK, new.SQ), new.P) - _vq(q_t, new.G1 + new.G2 + new.G3)
+    return _finish(o, normalize, eps), new
+
+
+def paper_token_summaries(q, k, v) -> PaperSummary:
+    """Per-token ``(kkᵀ, qqᵀ, kvᵀ, (q·k) kqᵀ, (q·k) qvᵀ, k⊗k⊗k⊗v, (q·k)² kvᵀ)``, any leading axes."""
+    qk = jnp.sum(q * k, -1)[..., None, None]
+    P = outer(k, v)
+    M = k[..., :, None, None, None] * k[..., None, :, None, None] * P[..., None, None, :, :]
+    return PaperSummary(outer(k, k), outer(q, q), P, qk * outer(k, q), qk * outer(q, v), M,
+                        qk**2 * P)
+
+
+def paper_combine(a: PaperSummary, b: PaperSummary) -> PaperSummary:
+    """Segment ``a`` followed by segment ``b`` for ``paper`` (associative).
+
+    A triple of ``a·b`` with a repeated maximum has it inside ``a`` (``H_A``), inside ``b`` with
+    every index in ``b`` (``H_B``), or inside ``b`` with the third index in ``a``:
+    ``i = j = m`` (``M_B[SQ_A]``), ``i = u = m`` (``X_B P_A``), ``u = j = m`` (``SK_A Y_B``).
+
+        H = H_A + H_B + M_B[SQ_A] + X_B P_A + SK_A Y_B,     every other field adds.
+    """
+    H = (a.H + b.H + ein("...abcv,...bc->...av", b.M, a.SQ) + mm(b.X, a.P) + mm(a.SK, b.Y))
+    return PaperSummary(*(x + y for x, y in zip(a[:-1], b[:-1])), H)
+
+
+def paper_chunk(state: PaperState, Q, K, V):
+    """One chunk of the ``paper`` form (``Q, K: [B,H,c,d]``, ``V: [B,H,c,dv]``): returns the state
+    after the chunk (the recurrent ``PaperState``: a chunked prefill can hand it to ``paper_step``)
+    and the chunk's outputs ``[B,H,c,dv]``.
+
+    With the carried ``(SK0, SQ0, P0, G·0)``, ``A = QKᵀ``, ``a = diag(A)``, strict mask ``L_s``,
+    rows of the pre-token moments (no per-token d×d states):
+    ``Z_τ = k_τᵀ SQ_{τ-1}``: ``Z = K SQ0 + (L_s ∘ Aᵀ) Q``;  ``Y_τ = (SK_{τ-1} q_τ)ᵀ``:
+    ``Y = Q SK0 + (L_s ∘ A) K``;  ``R_τ = q_τᵀ P_{τ-1}``: ``R = Q P0 + (L_s ∘ A) V``;
+    ``σ_τ = k_τᵀ SQ_{τ-1} k_τ = Z_τ·k_τ``.  Token m adds to ``H = SK SQ P − ΣG`` the triples with
+    maximum m repeated, ``a_m k_m R_m + a_m (SK_{m-1} q_m) v_mᵀ + (σ_m + a_m²) k_m v_mᵀ``, so
+
+        O  = Q H0 + (L ∘ A)(a R + (σ + a²) V) + (L ∘ (Q Yᵀ)) (a V)
+        G1 += Kᵀ (Z P0 + (L_s ∘ Z Kᵀ) V)     G2 += Yᵀ R     G3 += (Z SK0 + (L_s ∘ Z Kᵀ) K)ᵀ V
+    """
+    c = Q.shape[-2]
+    L, Ls = causal_mask(c, Q.dtype), jnp.tril(jnp.ones((c, c), Q.dtype), -1)
+    A = mm(Q, tr(K))
+    a = jnp.diagonal(A, axis1=-2, axis2=-1)[..., None]
+    Z = mm(K, state.SQ) + mm(Ls * tr(A), Q)
+    Y = mm(Q, state.SK) + mm(Ls * A, K)
+    R = mm(Q, state.P) + mm(Ls * A, V)
+    sigma = jnp.sum(Z * K, -1, keepdims=True)
+    ZK = Ls * mm(Z, tr(K))
+    O = (mm(Q, _paper_H(state)) + mm(L * A, a * R + (sigma + a**2) * V)
+         + mm(L * mm(Q, tr(Y)), a * V))
+    new = PaperState(
+        SK=state.SK + mm(tr(K), K),
+        SQ=state.SQ + mm(tr(Q), Q),
+        P=state.P + mm(tr(K), V),
+        G1=state.G1 + mm(tr(K), mm(Z, state.P) + mm(ZK, V)),
+        G2=state.G2 + mm(tr(Y), R),
+        G3=state.G3 + mm(tr(mm(Z, state.SK) + mm(ZK, K)), V),
+    )
+    return new, O
+
+
+# ---------------------------------------------------------------------------------------------
+# forms
+
+
+def _state_first(step_fn, **kw):
+    """Adapt ``step(state, ...) -> (o, state)`` to ``scan_time``'s ``(state, o)``."""
+    def body(state, *x):
+        o, state = step_fn(state, *x, **kw)
+        return state, o
+    return body
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "normalize"))
+def hla3_recurrent(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6):
+    """Serial recurrence: ``lax.scan`` of ``step`` (causal) or ``paper_step`` over time,
+    O(d² + d·dv) state per head."""
+    _check_mask(mask, g)
+    B, _, H, d, dv = check_qkv(q, k, v, name="hla3")
+    dt = state_dtype(q, k, v, g)
+    if mask == "paper":
+        init = paper_init_state(B, H, d, dv, normalize=normalize, dtype=dt)
+        out, _ = scan_time(_state_first(paper_step, normalize=normalize, eps=eps), init, q, k, v)
+        return out
+    init = init_state(B, H, d, dv, normalize=normalize, dtype=dt)
+    out, _ = scan_time(_state_first(step, normalize=normalize, eps=eps), init, q, k, v, g)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "normalize"))
+def hla3_scan(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6):
+    """Token-level ``jax.lax.associative_scan`` of the token summaries, then ``qᵀ F`` (causal) or
+    ``qᵀ H`` (paper).
+
+    Memory is O(T·d²) per head for causal (three ``d×d`` summaries per token) and O(T·d³·dv) for
+    paper, whose summary holds the dense map ``M`` (use it at small d only; the chunked form is
+    the one that scales).
+    """
+    _check_mask(mask, g)
+    q, k, v, g = cast_inputs(q, k, v, g, normalize)
+    if mask == "paper":
+        prefix = jax.lax.associative_scan(paper_combine, paper_token_summaries(q, k, v), axis=1)
+        return _finish(_vq(q, prefix.H), normalize, eps)
+    prefix = jax.lax.associative_scan(combine, token_summaries(q, k, v, g), axis=1)
+    return readout(prefix, q, normalize=normalize, eps=eps)
+
+
+def _causal_chunked(Q, K, V, gc):
+    """Causal chunked outputs ``[B,H,N,c,dv]`` (SPEC §3): with the prefix ``(S0, P0, F0)``,
+
+        O = diag(ρ²) Q F0 + diag(ρ²) ((Q S0 Qᵀ) ∘ L)(Q P0) + diag(ρ) ((Q S0 Qᵀ) ∘ Γ)(W_g V)
+          + diag(ρ) (Γ ∘ (A W_gᵀ))(Q P0) + (Γ ∘ (W_g A_Lᵀ))(W_g V)
+
+    with ``A = QKᵀ``, ``A_L = L ∘ A``, ``W_g = Γ ∘ A``, local ``ρ`` and ``Γ``; prefixes from
+    ``exclusive_scan(combine, ·)`` over ``chunk_summaries``.
+    """
+    c = Q.shape[-2]
+    Gam = decay_matrix(gc)
+    A = mm(Q, tr(K))
+    Wg = Gam * A
+    WgV = mm(Wg, V)
+    own = chunk_summaries(Q, K, V, gc, Gam, Wg, WgV)
+    p = exclusive_scan(combine, empty_segment(own, 2), own, axis=2)
+    rho = jnp.exp(jnp.cumsum(gc, -1))[..., None]
+    L = causal_mask(c, A.dtype)
+    QS0Q = mm(mm(Q, p.S), tr(Q))
+    QP0 = mm(Q, p.P)
+    return (rho**2 * (mm(Q, p.F) + mm(L * QS0Q, QP0))
+            + rho * (mm(Gam * QS0Q, WgV) + mm(Gam * mm(A, tr(Wg)), QP0))
+            + mm(Gam * mm(Wg, tr(L * A)), WgV))
+
+
+def _paper_chunked(Q, K, V):
+    """``paper`` chunked outputs ``[B,H,N,c,dv]``: a ``lax.scan`` of ``paper_chunk`` over chunks."""
+    B, H, _, _, d = Q.shape
+    init = paper_init_state(B, H, d, V.shape[-1], dtype=Q.dtype)
+    _, O = jax.lax.scan(lambda s, x: paper_chunk(s, *x), init,
+                        tuple(jnp.moveaxis(x, 2, 0) for x in (Q, K, V)))
+    return jnp.moveaxis(O, 0, 2)
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "normalize", "chunk_size"))
+def hla3_chunked(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, chunk_size=64):
+    """Chunked form: matmuls inside chunks of ``chunk_size`` (T padded internally).
+
+    causal: ``_causal_chunked`` (chunk prefixes by the associative combine); paper:
+    ``_paper_chunked`` (a sequential pass carrying ``(SK, SQ, P, G1, G2, G3)``).  Memory O(T·c)
+    plus one state per chunk.
+    """
+    _check_mask(mask, g)
+    B, T, H, _, _ = check_qkv(q, k, v, name="hla3")
+    q, k, v, g = cast_inputs(q, k, v, g, normalize)
+    c = min(check_chunk_size(chunk_size), T)
+    Q, K, V = (to_chunks(pad_time(x, c), c) for x in (q, k, v))  # [B,H,N,c,...]
+    if mask == "paper":
+        O = _paper_chunked(Q, K, V)
+    else:
+        gc = to_chunks(pad_time(gate_or_zeros(g, B, T, H, q.dtype), c), c)
+        O = _causal_chunked(Q, K, V, gc)
+    return _finish(from_chunks(O, T), normalize, eps)
+
+
+def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="auto",
+         chunk_size=64):
+    """Third-order HLA, ``[B,T,H,dv]`` in the state dtype (float32, float64 for float64 inputs).
+
+    ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
+    ``None`` (``mask="paper"`` has no decay: ``g`` must be ``None``).  ``mask``: "causal" |
+    "paper".  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
+    "recurrent" | "scan" | "chunked" | "auto" (= "chunked").
+    """
+    check_impl(impl, IMPLS)
+    _check_mask(mask, g)
+    chunk_size = check_chunk_size(chunk_size)
+    B, T, H, _, _ = check_qkv(q, k, v, name="hla3")
+    g = check_gate(g, B, T, H, name="hla3")
+    if impl == "reference":
+        return reference.hla3(q, k, v, g, mask=mask, normalize=normalize, eps=eps)
+    if impl == "recurrent":
+        return hla3_recurrent(q, k, v, g, mask=mask, normalize=normalize, eps=eps)
+    if impl == "scan":
+        return hla3_scan(q, k, v, g, mask=mask, normalize=normalize, eps=eps)
+    return hla3_chunked(q, k, v, g, mask=mask, normalize=normalize, eps=eps,
+                        chunk_size=chunk_size)

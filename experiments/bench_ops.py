@@ -1,0 +1,134 @@
+"""Forward+backward cost of every operator's chunked form at long context.
+
+    python experiments/bench_ops.py                       # CPU defaults of the operator issues
+    python experiments/bench_ops.py --only hla2,ahla --repeats 5
+
+For each operator: median wall time of ``jax.grad`` of a scalar loss with respect to every
+input (forward + backward), and the peak memory XLA's buffer assignment gives the compiled
+program (arguments + outputs + temporaries, ``compiled.memory_analysis()``). The chunked form
+must never hold a T×T array: at T=16384 one float32 T×T matrix per head is 1 GiB, at
+T=65536 it is 16 GiB. Results are written to ``experiments/results/bench_ops_<backend>.json``
+and printed as a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from hla_jax import ops
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+# name -> (operator, needs beta, needs lam, shape key)
+HLA = dict(B=1, H=4, T=16384, d=64, dv=64)
+LOGLIN = dict(B=1, H=2, T=65536, d=64, dv=64)
+OPERATORS = {
+    "linear_attention": (lambda q, k, v, g: ops.linear_attention(q, k, v, g, impl="chunked"), HLA),
+    "hla2": (lambda q, k, v, g: ops.hla2(q, k, v, g, impl="chunked"), HLA),
+    "hla2_normalized": (lambda q, k, v, g: ops.hla2(q, k, v, g, normalize=True, impl="chunked"), HLA),
+    "ahla": (lambda q, k, v, g: ops.ahla(q, k, v, g, impl="chunked"), HLA),
+    "hla3": (lambda q, k, v, g: ops.hla3(q, k, v, g, impl="chunked"), HLA),
+    "hla3_paper": (lambda q, k, v, g: ops.hla3(q, k, v, None, mask="paper", impl="chunked"), HLA),
+    "mamba2": (lambda q, k, v, g: ops.mamba2(q, k, v, g, impl="chunked"), LOGLIN),
+    "loglinear_mamba2": (lambda q, k, v, g, lam: ops.loglinear_mamba2(q, k, v, g, lam, impl="chunked"), LOGLIN),
+    "gated_deltanet": (lambda q, k, v, g, beta: ops.gated_deltanet(q, k, v, g, beta, impl="chunked"), LOGLIN),
+    "loglinear_gated_deltanet": (
+        lambda q, k, v, g, beta, lam: ops.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="chunked"),
+        LOGLIN),
+}
+# log-linear operator -> its plain twin, for the cost ratio at the same shape
+PLAIN_TWIN = {"loglinear_mamba2": "mamba2", "loglinear_gated_deltanet": "gated_deltanet"}
+
+
+def make_inputs(name, shape, dtype, seed=0):
+    B, H, T, d, dv = (shape[x] for x in ("B", "H", "T", "d", "dv"))
+    r = np.random.default_rng(seed)
+    q = r.normal(size=(B, T, H, d)) / np.sqrt(d)
+    k = r.normal(size=(B, T, H, d))
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = r.normal(size=(B, T, H, dv))
+    g = -r.uniform(0.0, 0.1, size=(B, T, H))
+    args = [q, k, v, g]
+    if "gated_deltanet" in name:
+        args.append(r.uniform(0.1, 0.9, size=(B, T, H)))
+    if name.startswith("loglinear"):
+        args.append(r.uniform(0.5, 1.5, size=(B, T, H, ops.fenwick.num_levels(T))))
+    return [jnp.asarray(a, dtype) for a in args]
+
+
+def bench(name, shape, dtype, repeats):
+    fn, _ = OPERATORS[name]
+    args = make_inputs(name, shape, dtype)
+    argnums = tuple(range(len(args)))
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2) * 1e-6, argnums=argnums))
+    compiled = grad.lower(*args).compile()
+    mem = compiled.memory_analysis()
+    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes) if mem is not None else None
+    jax.block_until_ready(compiled(*args))  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = compiled(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+        if not all(bool(jnp.all(jnp.isfinite(x))) for x in out):
+            raise FloatingPointError(f"{name}: non-finite gradient")
+    return {"op": name, **shape, "dtype": jnp.dtype(dtype).name, "median_s": statistics.median(times),
+            "times_s": times, "peak_bytes": peak}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", default="", help="comma-separated operator names (default: all)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--scale", type=float, default=1.0, help="multiply T by this (quick runs)")
+    a = p.parse_args()
+    names = [n for n in a.only.split(",") if n] or list(OPERATORS)
+    unknown = set(names) - set(OPERATORS)
+    if unknown:
+        p.error(f"unknown operators {sorted(unknown)}; choose from {list(OPERATORS)}")
+    rows = []
+    for name in tqdm(names, desc="fwd+bwd", unit="op"):
+        shape = dict(OPERATORS[name][1])
+        shape["T"] = int(shape["T"] * a.scale)
+        rows.append(bench(name, shape, jnp.dtype(a.dtype), a.repeats))
+        tqdm.write(f"{name}: {rows[-1]['median_s']:.3f} s, peak {rows[-1]['peak_bytes'] / 2**20:.0f} MiB")
+    by = {r["op"]: r for r in rows}
+    for r in rows:
+        twin = by.get(PLAIN_TWIN.get(r["op"], ""))
+        if twin is not None:
+            r["time_ratio_to_plain"] = r["median_s"] / twin["median_s"]
+            r["memory_ratio_to_plain"] = r["peak_bytes"] / twin["peak_bytes"]
+    backend = jax.default_backend()
+    record = {"device": jax.devices()[0].device_kind, "backend": backend, "host": platform.processor()
+              or platform.machine(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
+              "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"bench_ops_{backend}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"\n{record['device']} ({backend}), {a.dtype}, forward+backward, median of {a.repeats}")
+    print("| op | B | H | T | d | dv | median s | peak MiB | × plain (time / memory) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = (f"{r['time_ratio_to_plain']:.2f} / {r['memory_ratio_to_plain']:.2f}"
+                 if "time_ratio_to_plain" in r else "")
+        print(f"| {r['op']} | {r['B']} | {r['H']} | {r['T']} | {r['d']} | {r['dv']} | "
+              f"{r['median_s']:.3f} | {r['peak_bytes'] / 2**20:.0f} | {ratio} |")
+    print(f"\nwritten {path}")
+
+
+if __name__ == "__main__":
+    main()

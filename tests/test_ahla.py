@@ -1,0 +1,166 @@
+"""AHLA (SPEC §2): every form against the quadratic reference, gradients, the combine's algebra."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, grads_of, make_gate, make_qkv
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hla_jax.ops import ahla_family as F
+from hla_jax.ops import reference
+
+B, H, D, DV = 2, 2, 5, 3
+FORMS = ("recurrent", "scan", "chunked")
+
+
+def _inputs(rng, T, gate, normalize, dtype=np.float64):
+    q, k, v = make_qkv(rng, B=B, T=T, H=H, d=D, dv=DV, dtype=dtype)
+    if normalize:  # non-negative features keep the denominator away from 0
+        q, k = jnp.abs(q), jnp.abs(k)
+    if gate != "reset":
+        return q, k, v, make_gate(rng, B=B, T=T, H=H, kind=gate, dtype=dtype)
+    # segment resets: a log-decay of -inf must keep every form finite and exact
+    g = make_gate(rng, B=B, T=T, H=H, kind="token", dtype=dtype)
+    g = g.at[0, 5, 1].set(-jnp.inf).at[1, 16, 0].set(-jnp.inf).at[1, 17, 0].set(-jnp.inf)
+    return q, k, v, g
+
+
+# (T, chunk_size, gate, normalize): T in {1, 7, 64, 100}, chunks 16 and 64, every gate kind.
+CASES = [
+    (1, 16, None, False),
+    (7, 16, "head", True),
+    (64, 64, "token", False),
+    (64, 16, None, True),
+    (100, 16, "reset", True),
+    (100, 64, "head", False),
+]
+
+
+@pytest.mark.parametrize("T,chunk,gate,normalize", CASES)
+def test_forms_match_reference_x64(x64, rng, T, chunk, gate, normalize):
+    q, k, v, g = _inputs(rng, T, gate, normalize)
+    want = reference.ahla(q, k, v, None if g is None else jnp.broadcast_to(g, (B, T, H)),
+                          normalize=normalize)
+    for impl in FORMS:
+        out = F.ahla(q, k, v, g, normalize=normalize, impl=impl, chunk_size=chunk)
+        assert out.dtype == jnp.float64
+        assert_close(out, want, 1e-10, impl)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_forms_match_reference_float32(rng, normalize):
+    q, k, v, g = _inputs(rng, 100, "token", normalize, np.float32)
+    want = F.ahla(q, k, v, g, normalize=normalize, impl="reference")
+    for impl in FORMS:
+        out = F.ahla(q, k, v, g, normalize=normalize, impl=impl, chunk_size=16)
+        assert out.dtype == jnp.float32
+        assert_close(out, want, 1e-4, impl)
+
+
+@pytest.mark.parametrize("impl,gate,normalize", [
+    ("scan", "token", False), ("chunked", "token", True), ("chunked", "head", False)])
+def test_gradients_x64(x64, rng, impl, gate, normalize):
+    T = 20
+    q, k, v, g = _inputs(rng, T, gate, normalize)
+    w = jnp.asarray(rng.normal(size=(B, T, H, DV)))
+
+    def ref_fn(q, k, v, g):
+        return reference.ahla(q, k, v, jnp.broadcast_to(g, (B, T, H)), normalize=normalize)
+
+    def fn(q, k, v, g):
+        return F.ahla(q, k, v, g, normalize=normalize, impl=impl, chunk_size=16)
+
+    got = grads_of(fn, (q, k, v, g), (0, 1, 2, 3), w)
+    want = grads_of(ref_fn, (q, k, v, g), (0, 1, 2, 3), w)
+    for name, a, b in zip("qkvg", got, want):
+        assert_close(a, b, 1e-10, f"d/d{name}")
+
+
+@pytest.mark.parametrize("impl", ["scan", "chunked"])
+def test_causal(rng, impl):
+    T, t = 40, 21
+    q, k, v, g = _inputs(rng, T, "token", False, np.float32)
+    out = F.ahla(q, k, v, g, impl=impl, chunk_size=16)
+    q2, k2, v2 = (x.at[:, t + 1:].set(jnp.asarray(rng.normal(size=x[:, t + 1:].shape), x.dtype))
+                  for x in (q, k, v))
+    g2 = g.at[:, t + 1:].set(-1.0)
+    out2 = F.ahla(q2, k2, v2, g2, impl=impl, chunk_size=16)
+    np.testing.assert_array_equal(np.asarray(out[:, :t + 1]), np.asarray(out2[:, :t + 1]))
+    assert not np.allclose(out[:, t + 1:], out2[:, t + 1:])
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_step_token_by_token(x64, rng, normalize):
+    T = 7
+    q, k, v, g = _inputs(rng, T, "token", normalize)
+    state = F.init_state(B, H, D, DV, normalize=normalize, dtype=jnp.float64)
+    step = jax.jit(lambda s, *x: F.step(s, *x, normalize=normalize))
+    outs = []
+    for t in range(T):
+        o, state = step(state, q[:, t], k[:, t], v[:, t], g[:, t])
+        outs.append(o)
+    assert_close(jnp.stack(outs, 1), reference.ahla(q, k, v, g, normalize=normalize), 1e-10)
+
+
+def _random_summary(rng, gated):
+    lead = (2,)
+    rho = rng.uniform(0.1, 1.0, size=lead) if gated else np.ones(lead)
+    return F.Summary(jnp.asarray(rho), *(jnp.asarray(rng.normal(size=lead + s))
+                                         for s in ((D, DV), (D, D), (D, DV))))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gated=st.booleans())
+def test_combine_associative(seed, gated):
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(seed)
+        a, b, c = (_random_summary(rng, gated) for _ in range(3))
+        left = F.combine(F.combine(a, b), c)
+        right = F.combine(a, F.combine(b, c))
+        for name, x, y in zip(F.Summary._fields, left, right):
+            assert_close(x, y, 1e-12, name)
+
+
+def test_token_summaries_scan_gives_state(x64, rng):
+    """The inclusive prefix of token summaries carries the recurrent state (P, E)."""
+    q, k, v, g = _inputs(rng, 9, "token", False)
+
+    @jax.jit
+    def both(q, k, v, g):
+        prefix = jax.lax.associative_scan(F.combine, F.token_summaries(q, k, v, g), axis=1)
+        state, _ = jax.lax.scan(lambda s, x: F.step(s, *x)[::-1],
+                                F.init_state(B, H, D, DV, dtype=jnp.float64),
+                                tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g)))
+        return prefix, state
+
+    prefix, state = both(q, k, v, g)
+    assert_close(prefix.P[:, -1], state.P, 1e-12, "P")
+    assert_close(prefix.E[:, -1], state.E, 1e-12, "E")
+
+
+def test_auto_is_chunked(rng):
+    q, k, v, g = _inputs(rng, 20, "head", False, np.float32)
+    np.testing.assert_array_equal(np.asarray(F.ahla(q, k, v, g)),
+                                  np.asarray(F.ahla(q, k, v, g, impl="chunked")))
+
+
+def test_bad_input(rng):
+    q, k, v, g = _inputs(rng, 8, "token", False, np.float32)
+    with pytest.raises(ValueError, match="impl"):
+        F.ahla(q, k, v, impl="pallas")
+    with pytest.raises(ValueError, match="impl"):
+        F.ahla(q, k, v, impl="fast")
+    with pytest.raises(ValueError, match="q"):
+        F.ahla(q[0], k, v)
+    with pytest.raises(ValueError, match="k"):
+        F.ahla(q, k[..., :-1], v)
+    with pytest.raises(ValueError, match="v"):
+        F.ahla(q, k, v[:, :-1])
+    with pytest.raises(ValueError, match="g"):
+        F.ahla(q, k, v, -g)
+    with pytest.raises(ValueError, match="g"):
+        F.ahla(q, k, v, g[:, :, :1])
+    with pytest.raises(ValueError, match="chunk_size"):
+        F.ahla(q, k, v, chunk_size=0)

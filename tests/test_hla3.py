@@ -1,0 +1,190 @@
+"""Third-order HLA (SPEC §3), masks "causal" and "paper": every form against the quadratic
+reference, gradients, the combines' algebra, the decode step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, grads_of, make_gate, make_qkv
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hla_jax.ops import hla3_family as F
+from hla_jax.ops import reference
+
+B, H, D, DV = 2, 2, 4, 3
+FORMS = ("recurrent", "scan", "chunked")
+
+
+def _inputs(rng, T, gate, normalize, dtype=np.float64):
+    q, k, v = make_qkv(rng, B=B, T=T, H=H, d=D, dv=DV, dtype=dtype)
+    if normalize:  # non-negative features keep the denominator away from 0
+        q, k = jnp.abs(q), jnp.abs(k)
+    if gate != "reset":
+        return q, k, v, make_gate(rng, B=B, T=T, H=H, kind=gate, dtype=dtype)
+    # segment resets: a log-decay of -inf must keep every form finite and exact
+    g = make_gate(rng, B=B, T=T, H=H, kind="token", dtype=dtype)
+    g = g.at[0, 5, 1].set(-jnp.inf).at[1, 16, 0].set(-jnp.inf).at[1, 17, 0].set(-jnp.inf)
+    return q, k, v, g
+
+
+def _full(g, T):
+    return None if g is None else jnp.broadcast_to(g, (B, T, H))
+
+
+# (mask, T, chunk_size, gate, normalize): T in {1, 7, 64, 100}, chunks 16 and 64.
+CASES = [
+    ("causal", 1, 16, None, False),
+    ("causal", 7, 16, "head", True),
+    ("causal", 64, 64, "token", False),
+    ("causal", 100, 16, "reset", True),
+    ("paper", 1, 64, None, True),
+    ("paper", 7, 16, None, False),
+    ("paper", 64, 16, None, True),
+    ("paper", 100, 64, None, False),
+]
+
+
+@pytest.mark.parametrize("mask,T,chunk,gate,normalize", CASES)
+def test_forms_match_reference_x64(x64, rng, mask, T, chunk, gate, normalize):
+    q, k, v, g = _inputs(rng, T, gate, normalize)
+    want = reference.hla3(q, k, v, _full(g, T), mask=mask, normalize=normalize)
+    for impl in FORMS:
+        out = F.hla3(q, k, v, g, mask=mask, normalize=normalize, impl=impl, chunk_size=chunk)
+        assert out.dtype == jnp.float64
+        assert_close(out, want, 1e-10, impl)
+
+
+@pytest.mark.parametrize("mask,gate,normalize", [("causal", "token", False),
+                                                 ("paper", None, True)])
+def test_forms_match_reference_float32(rng, mask, gate, normalize):
+    q, k, v, g = _inputs(rng, 100, gate, normalize, np.float32)
+    want = F.hla3(q, k, v, g, mask=mask, normalize=normalize, impl="reference")
+    for impl in FORMS:
+        out = F.hla3(q, k, v, g, mask=mask, normalize=normalize, impl=impl, chunk_size=16)
+        assert out.dtype == jnp.float32
+        assert_close(out, want, 1e-4, impl)
+
+
+@pytest.mark.parametrize("mask,impl,gate,normalize", [
+    ("causal", "scan", "token", False),
+    ("causal", "chunked", "token", True),
+    ("paper", "scan", None, False),
+    ("paper", "chunked", None, True),
+])
+def test_gradients_x64(x64, rng, mask, impl, gate, normalize):
+    T = 20
+    q, k, v, g = _inputs(rng, T, gate, normalize)
+    w = jnp.asarray(rng.normal(size=(B, T, H, DV)))
+    args = (q, k, v) if g is None else (q, k, v, g)
+
+    def ref_fn(q, k, v, g=None):
+        return reference.hla3(q, k, v, _full(g, T), mask=mask, normalize=normalize)
+
+    def fn(q, k, v, g=None):
+        return F.hla3(q, k, v, g, mask=mask, normalize=normalize, impl=impl, chunk_size=16)
+
+    argnums = tuple(range(len(args)))
+    got, want = grads_of(fn, args, argnums, w), grads_of(ref_fn, args, argnums, w)
+    for name, a, b in zip("qkvg", got, want):
+        assert_close(a, b, 1e-10, f"d/d{name}")
+
+
+@pytest.mark.parametrize("mask", ["causal", "paper"])
+def test_causal(rng, mask):
+    T, t = 40, 21
+    q, k, v, g = _inputs(rng, T, "token" if mask == "causal" else None, False, np.float32)
+    out = F.hla3(q, k, v, g, mask=mask, chunk_size=16)
+    q2, k2, v2 = (x.at[:, t + 1:].set(jnp.asarray(rng.normal(size=x[:, t + 1:].shape), x.dtype))
+                  for x in (q, k, v))
+    g2 = None if g is None else g.at[:, t + 1:].set(-1.0)
+    out2 = F.hla3(q2, k2, v2, g2, mask=mask, chunk_size=16)
+    np.testing.assert_array_equal(np.asarray(out[:, :t + 1]), np.asarray(out2[:, :t + 1]))
+    assert not np.allclose(out[:, t + 1:], out2[:, t + 1:])
+
+
+@pytest.mark.parametrize("mask,normalize", [("causal", True), ("paper", False)])
+def test_step_token_by_token(x64, rng, mask, normalize):
+    T = 7
+    q, k, v, g = _inputs(rng, T, "token" if mask == "causal" else None, normalize)
+    if mask == "causal":
+        state = F.init_state(B, H, D, DV, normalize=normalize, dtype=jnp.float64)
+        step = jax.jit(lambda s, q, k, v, g: F.step(s, q, k, v, g, normalize=normalize))
+        gs = [g[:, t] for t in range(T)]
+    else:
+        state = F.paper_init_state(B, H, D, DV, normalize=normalize, dtype=jnp.float64)
+        step = jax.jit(lambda s, q, k, v, g: F.paper_step(s, q, k, v, normalize=normalize))
+        gs = [None] * T
+    outs = []
+    for t in range(T):
+        o, state = step(state, q[:, t], k[:, t], v[:, t], gs[t])
+        outs.append(o)
+    want = reference.hla3(q, k, v, g, mask=mask, normalize=normalize)
+    assert_close(jnp.stack(outs, 1), want, 1e-10)
+
+
+def test_paper_chunk_state_is_recurrent_state(x64, rng):
+    """The chunked ``paper`` pass carries exactly the recurrent ``(SK, SQ, P, G1, G2, G3)``."""
+    T = 12
+    q, k, v, _ = _inputs(rng, T, None, False)
+    heads_first = [jnp.moveaxis(x, 1, 2) for x in (q, k, v)]  # [B,H,T,...]: one chunk
+    init = F.paper_init_state(B, H, D, DV, dtype=jnp.float64)
+    chunk_state, _ = F.paper_chunk(init, *heads_first)
+    state, _ = jax.lax.scan(lambda s, x: F.paper_step(s, *x)[::-1], init,
+                            tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)))
+    for name, a, b in zip(F.PaperState._fields, chunk_state, state):
+        assert_close(a, b, 1e-12, name)
+
+
+def _random(rng, cls, shapes, gated):
+    lead = (2,)
+    arrays = [jnp.asarray(rng.normal(size=lead + s)) for s in shapes]
+    if cls is F.Summary:
+        rho = rng.uniform(0.1, 1.0, size=lead) if gated else np.ones(lead)
+        arrays = [jnp.asarray(rho)] + arrays
+    return cls(*arrays)
+
+
+CAUSAL_SHAPES = ((D, D), (D, DV), (D, D), (D, DV), (D, D), (D, DV))
+PAPER_SHAPES = ((D, D), (D, D), (D, DV), (D, D), (D, DV), (D, D, D, DV), (D, DV))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["causal", "gated", "paper"]))
+def test_combine_associative(seed, kind):
+    cls, comb, shapes = ((F.PaperSummary, F.paper_combine, PAPER_SHAPES) if kind == "paper"
+                         else (F.Summary, F.combine, CAUSAL_SHAPES))
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(seed)
+        a, b, c = (_random(rng, cls, shapes, kind == "gated") for _ in range(3))
+        left, right = comb(comb(a, b), c), comb(a, comb(b, c))
+        for name, x, y in zip(cls._fields, left, right):
+            assert_close(x, y, 1e-12, name)
+
+
+def test_auto_is_chunked(rng):
+    q, k, v, g = _inputs(rng, 20, "head", False, np.float32)
+    np.testing.assert_array_equal(np.asarray(F.hla3(q, k, v, g)),
+                                  np.asarray(F.hla3(q, k, v, g, impl="chunked")))
+
+
+def test_bad_input(rng):
+    q, k, v, g = _inputs(rng, 8, "token", False, np.float32)
+    with pytest.raises(ValueError, match="mask"):
+        F.hla3(q, k, v, mask="full")
+    with pytest.raises(ValueError, match="g must be None"):
+        F.hla3(q, k, v, g, mask="paper")
+    with pytest.raises(ValueError, match="impl"):
+        F.hla3(q, k, v, impl="pallas")
+    with pytest.raises(ValueError, match="q"):
+        F.hla3(q[0], k, v)
+    with pytest.raises(ValueError, match="k"):
+        F.hla3(q, k[..., :-1], v)
+    with pytest.raises(ValueError, match="v"):
+        F.hla3(q, k, v[:, :-1])
+    with pytest.raises(ValueError, match="g"):
+        F.hla3(q, k, v, -g)
+    with pytest.raises(ValueError, match="g"):
+        F.hla3(q, k, v, g[0])
+    with pytest.raises(ValueError, match="chunk_size"):
+        F.hla3(q, k, v, chunk_size=-4)
