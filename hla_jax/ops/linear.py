@@ -1,9 +1,66 @@
-"""Placeholder."""
+"""First-order linear attention and Mamba-2 (the SSD core): ``o_t = Σ_{s≤t} D(t,s) (q_t·k_s) v_s``.
+
+Equivalently ``o = (Γ ∘ QKᵀ) V``; state ``H_t = a_t H_{t−1} + k_t v_tᵀ``, ``o_t = q_tᵀ H_t``.
+These are the log-linear Mamba-2 of ``loglinear.py`` with every λ = 1, run by the same core with
+the level split switched off (one d×dv state, plain cost).  ``q, k: [B,T,H,d]``,
+``v: [B,T,H,dv]``, ``g: [B,T,H]`` or ``[H]`` log-decay (None: no decay); outputs ``[B,T,H,dv]``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from hla_jax.ops import loglinear
+from hla_jax.ops.loglinear import combine, readout
+
+__all__ = ["chunked", "combine", "init_state", "linear_attention", "mamba2", "readout",
+           "recurrent", "scan", "step", "token_summary"]
 
 
-def linear_attention(*a, **k):
-    raise NotImplementedError
+def token_summary(k, v, g):
+    """Per-token SSM pair ``(a_t, k_t v_tᵀ)`` with ``a_t = exp(g_t)`` as ``[..., 1, 1]``.
+
+    ``jax.lax.associative_scan(combine, token_summary(k, v, g), axis=1)`` gives every ``H_t``.
+    """
+    return loglinear.token_summary(k, v, g)
 
 
-def mamba2(*a, **k):
-    raise NotImplementedError
+def init_state(B, H, d, dv, dtype=jnp.float32):
+    """Zero state ``H: [B,H,d,dv]``."""
+    return loglinear.init_state(B, H, d, dv, None, dtype)
+
+
+def step(state, q, k, v, g=None):
+    """One token: ``H ← a_t H + k_t v_tᵀ``, ``o_t = q_tᵀ H``; returns ``(o_t, H)``.
+
+    ``q, k: [B,H,d]``, ``v: [B,H,dv]``, ``g: [B,H]`` (None: no decay), ``state: [B,H,d,dv]``.
+    """
+    g = jnp.zeros(q.shape[:-1], state.dtype) if g is None else g
+    return loglinear.step(state, 0, q, k, v, g)
+
+
+def recurrent(q, k, v, g):
+    """Serial recurrence (``lax.scan`` of ``step``)."""
+    return loglinear.recurrent(q, k, v, g)
+
+
+def scan(q, k, v, g):
+    """``jax.lax.associative_scan`` of ``combine`` over the token summaries; O(T·d·dv) memory."""
+    return loglinear.scan(q, k, v, g)
+
+
+def chunked(q, k, v, g, chunk_size=64):
+    """``O = ((QKᵀ)∘Γ) V + (γ∘Q) H_{n−1}`` per chunk; chunk states by an exclusive scan of
+    ``combine`` over chunk summaries ``(γ_c, K̃ᵀ V)``."""
+    return loglinear.chunked(q, k, v, g, chunk_size=chunk_size)
+
+
+def linear_attention(q, k, v, g=None, *, impl="auto", chunk_size=64):
+    """``o = (Γ ∘ QKᵀ) V``; ``g`` optional. impl: reference | recurrent | scan | chunked | auto."""
+    return loglinear.run("linear_attention", q, k, v, g, impl=impl, chunk_size=chunk_size,
+                         gate_required=False)
+
+
+def mamba2(q, k, v, g, *, impl="auto", chunk_size=64):
+    """Scalar-gated linear attention (Mamba-2's SSD core: q=C, k=B, v=dt·x, g=dt·A); g required."""
+    return loglinear.run("mamba2", q, k, v, g, impl=impl, chunk_size=chunk_size)

@@ -1,13 +1,311 @@
-"""Placeholder."""
+"""Log-linear Mamba-2 and (log-linear) Gated DeltaNet: the first-order state-space core (SPEC §4).
+
+One core covers four operators.  A token's transition is ``A_t = a_t`` (Mamba-2, stored as
+``[..., 1, 1]``) or ``A_t = a_t (I − β_t k_t k_tᵀ)`` (Gated DeltaNet, ``[..., d, d]``), and it
+writes ``X_t = k_t β_t v_tᵀ`` (β = 1 for Mamba-2).  Then
+
+    plain:      o_t = q_tᵀ Σ_{s≤t} (A_t ⋯ A_{s+1}) X_s
+    log-linear: o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) X_s,  ℓ(t,s) = bit_length(t XOR s)
+
+With every λ = 1 the log-linear operator is the plain one; the plain forms here are the same
+code with the level split switched off (``lam=None``: one state, plain cost).
+
+Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g, beta: [B,T,H]``, ``lam: [B,T,H,L]`` with
+``L ≥ fenwick.num_levels(T)``; outputs ``[B,T,H,dv]`` in the state dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.linalg import solve_triangular
+
+from hla_jax.ops import common, fenwick, reference
+
+_HI = jax.lax.Precision.HIGHEST
+IMPLS = ("reference", "recurrent", "scan", "chunked", "auto")
 
 
-def gated_deltanet(*a, **k):
-    raise NotImplementedError
+def _ein(spec, *xs):
+    return jnp.einsum(spec, *xs, precision=_HI)
 
 
-def loglinear_mamba2(*a, **k):
-    raise NotImplementedError
+def _mul(A, X):
+    """``A X`` for a transition ``A``: ``[..., 1, 1]`` (scalar decay) or ``[..., d, d]``."""
+    if A.shape[-1] == 1:
+        return A * X
+    return jnp.matmul(A, X, precision=_HI)
 
 
-def loglinear_gated_deltanet(*a, **k):
-    raise NotImplementedError
+# --------------------------------------------------------------------------- algebra
+
+
+def token_summary(k, v, g, beta=None):
+    """Per-token SSM pair ``(A_t, X_t)``, ``X_t = k_t β_t v_tᵀ: [..., d, dv]``.
+
+    ``A_t = a_t`` as ``[..., 1, 1]`` (``beta=None``) or ``a_t (I − β_t k_t k_tᵀ): [..., d, d]``.
+    ``k: [..., d]``, ``v: [..., dv]``, ``g, beta: [...]``.
+    """
+    a = jnp.exp(g)[..., None, None]
+    if beta is None:
+        return a, k[..., :, None] * v[..., None, :]
+    kb = beta[..., None] * k
+    eye = jnp.eye(k.shape[-1], dtype=k.dtype)
+    return a * (eye - kb[..., :, None] * k[..., None, :]), kb[..., :, None] * v[..., None, :]
+
+
+def combine(a, b):
+    """SSM pair, ``a`` before ``b``: ``(A_a, H_a) ⊕ (A_b, H_b) = (A_b A_a, A_b H_a + H_b)``."""
+    (A_a, H_a), (A_b, H_b) = a, b
+    return _mul(A_b, A_a), _mul(A_b, H_a) + H_b
+
+
+def readout(q, H, lam=None):
+    """``o = qᵀ H`` (``H: [..., d, dv]``) or ``Σ_ℓ λ^ℓ qᵀ H[ℓ]`` (``H: [L, ..., d, dv]``,
+    ``lam: [..., L]``)."""
+    if lam is None:
+        return _ein("...d,...dv->...v", q, H)
+    return _ein("...l,...d,l...dv->...v", lam, q, H)
+
+
+def init_state(B, H, d, dv, levels=None, dtype=jnp.float32):
+    """Zero state: ``[B,H,d,dv]`` (plain) or ``[levels,B,H,d,dv]`` (one d×dv state per level)."""
+    lead = () if levels is None else (levels,)
+    return jnp.zeros((*lead, B, H, d, dv), dtype)
+
+
+def step(state, t, q, k, v, g, beta=None, lam=None):
+    """One token at (traced) position ``t``; returns ``(o_t, new_state)``.
+
+    ``q, k: [B,H,d]``, ``v: [B,H,dv]``, ``g, beta: [B,H]``, ``lam: [B,H,L]`` (None: plain).
+    Log-linear (SPEC §4): carry the binary counter, ``H[ℓ] ← A_t H[ℓ]`` for every ℓ,
+    ``H[0] = k_t β_t v_tᵀ``, ``o_t = Σ_ℓ λ_t^ℓ H[ℓ]ᵀ q_t``.  Plain: ``H ← A_t H + k_t β_t v_tᵀ``.
+    ``A_t H = a_t (H − β_t k_t (k_tᵀ H))`` is applied as a rank-one update (O(d·dv) per state).
+    """
+    H = state if lam is None else fenwick.carry(state, t)
+    if beta is not None:
+        kH = _ein("...d,...dv->...v", k, H)
+        H = H - beta[..., None, None] * k[..., :, None] * kH[..., None, :]
+        v = beta[..., None] * v
+    H = jnp.exp(g)[..., None, None] * H
+    X = k[..., :, None] * v[..., None, :]
+    H = H + X if lam is None else H.at[0].add(X)
+    return readout(q, H, lam), H
+
+
+# --------------------------------------------------------------------------- forms
+
+
+def _cast(dt, *xs):
+    return [None if x is None else jnp.asarray(x).astype(dt) for x in xs]
+
+
+def recurrent(q, k, v, g, beta=None, lam=None):
+    """Serial recurrence: ``lax.scan`` of ``step`` over time (the decode path)."""
+    dt = common.state_dtype(q, k, v, g, beta, lam)
+    q, k, v, g, beta, lam = _cast(dt, q, k, v, g, beta, lam)
+    B, _, H, d = q.shape
+    levels = None if lam is None else lam.shape[-1]
+
+    def body(carry, *x):
+        state, t = carry
+        o, state = step(state, t, *x)
+        return (state, t + 1), o
+
+    carry0 = (init_state(B, H, d, v.shape[-1], levels, dt), jnp.zeros((), jnp.int32))
+    out, _ = common.scan_time(body, carry0, q, k, v, g, beta, lam)
+    return out
+
+
+def _segmented_states(A, X, reset):
+    """Inclusive prefix states ``H_t = A_t H_{t−1} + X_t`` over time, restarted at ``reset``."""
+    A = jnp.where(jnp.asarray(reset).reshape((1, -1) + (1,) * (A.ndim - 2)), 0, A)
+    return jax.lax.associative_scan(combine, (A, X), axis=1)[1]
+
+
+def scan(q, k, v, g, beta=None, lam=None):
+    """Token-level associative scan with ``combine`` (SPEC §4 "Token-level scan form").
+
+    Plain: one scan, ``o_t = q_tᵀ H_t``.  Log-linear: level 0 is the token itself; for level
+    ℓ ≥ 1 the bucket of query t (present when bit ℓ−1 of t is 1) is the aligned block
+    ``[b, b + 2^{ℓ−1})``, ``b = (t >> ℓ) << ℓ``: one segmented scan per level, restarted at
+    multiples of ``2^ℓ`` and fed only by the left half of each ``2^ℓ`` block, carries the
+    block's state through ``A_{e+1} … A_t`` to its readers in the right half.
+    Memory O(T·d·dv) per level, plus O(T·d²) for Gated DeltaNet's transitions: use the chunked
+    form for long sequences.
+    """
+    dt = common.state_dtype(q, k, v, g, beta, lam)
+    q, k, v, g, beta, lam = _cast(dt, q, k, v, g, beta, lam)
+    T = q.shape[1]
+    A, X = token_summary(k, v, g, beta)
+    if lam is None:
+        return readout(q, _segmented_states(A, X, np.zeros(T, bool)))
+    out = lam[..., 0:1] * readout(q, X)
+    pos = np.arange(T)
+    for lev in range(1, fenwick.num_levels(T)):
+        left = ((pos >> (lev - 1)) & 1) == 0
+        block = _segmented_states(A, jnp.where(left[:, None, None, None], X, 0),
+                                  pos % (1 << lev) == 0)
+        out = out + jnp.where(left[:, None, None], 0, lam[..., lev:lev + 1]) * readout(q, block)
+    return out
+
+
+def _chunk_terms(Q, K, V, G, Beta):
+    """Per-chunk pieces, all parallel over chunks (``[B,H,N,c,...]`` inputs).
+
+    Returns ``M`` (intra-chunk attention, ``[..., c, c]``), ``Q̂`` (what reads an incoming state,
+    ``o ⊇ Q̂ H``), the chunk transition ``A_c`` and the chunk's own state ``K̃ᵀ U``:
+      Mamba-2:       M = (QKᵀ)∘Γ,  Q̂ = γ∘Q,          A_c = γ_c,            own = K̃ᵀ V
+      Gated DeltaNet (UT transform ``T = (I + strict_tril(diag(β)(KKᵀ)∘Γ))⁻¹ diag(β)``,
+      ``W = T(γ∘K)``, ``U = T V``): M = ((QKᵀ)∘Γ) T,  Q̂ = γ∘Q − ((QKᵀ)∘Γ) W,
+      A_c = γ_c I − K̃ᵀ W,  own = K̃ᵀ U;   with ``K̃ = (γ_c/γ)∘K``.
+    """
+    Gam = common.decay_matrix(G)                     # Γ: [..., c, c]
+    gamma = jnp.exp(jnp.cumsum(G, axis=-1))          # γ_τ = D(τ, −1)
+    Kt = Gam[..., -1, :, None] * K                   # K̃ = (γ_c / γ) ∘ K
+    gamma_c = gamma[..., -1, None, None]
+    P = _ein("...td,...sd->...ts", Q, K) * Gam
+    if Beta is None:
+        return P, gamma[..., None] * Q, gamma_c, _ein("...cd,...cv->...dv", Kt, V)
+    c, d = K.shape[-2:]
+    eye = jnp.eye(c, dtype=K.dtype)
+    strict = jnp.tril(Beta[..., :, None] * _ein("...td,...sd->...ts", K, K) * Gam, -1)
+    Tm = solve_triangular(eye + strict, eye * Beta[..., None, :], lower=True, unit_diagonal=True)
+    W = _ein("...ts,...sd->...td", Tm, gamma[..., None] * K)
+    U = _ein("...ts,...sv->...tv", Tm, V)
+    Qh = gamma[..., None] * Q - _ein("...ts,...sd->...td", P, W)
+    A_c = gamma_c * jnp.eye(d, dtype=K.dtype) - _ein("...cd,...ce->...de", Kt, W)
+    return _ein("...ts,...sr->...tr", P, Tm), Qh, A_c, _ein("...cd,...cv->...dv", Kt, U)
+
+
+def _prefix_plain(Qh, A_c, own):
+    """``Q̂ H_{n−1}``, ``H`` the exclusive prefix of ``combine`` over chunks (``exclusive_scan``)."""
+    B, H, _, d = own.shape[:4]
+    eye = jnp.ones((1, 1), own.dtype) if A_c.shape[-1] == 1 else jnp.eye(d, dtype=own.dtype)
+    identity = (jnp.broadcast_to(eye, (B, H, 1) + eye.shape),
+                jnp.zeros((B, H, 1) + own.shape[3:], own.dtype))
+    Hp = common.exclusive_scan(combine, identity, (A_c, own), axis=2)[1]
+    return _ein("...cd,...dv->...cv", Qh, Hp)
+
+
+def _prefix_levels(Qh, A_c, own, w):
+    """``Σ_m w[τ,m] Q̂ Hc[m]`` with chunk-level states ``Hc`` kept as a binary counter over chunks.
+
+    One ``lax.scan`` over chunks ``n`` carries ``Hc: [S,B,H,d,dv]``: carry(Hc, n), read the
+    prefix, cross the chunk (``Hc[m] ← A_c Hc[m]`` for every m), then ``Hc[0] += own``.
+    ``Hc[m]`` (m ≥ 1) holds the chunks at level ``log2 c + m``; ``w: [B,H,N,c,S]``.
+    """
+    S, N = w.shape[-1], own.shape[2]
+
+    def body(Hc, x):
+        n, Qh_n, A_n, own_n, w_n = x
+        Hc = fenwick.carry(Hc, n)
+        out = _ein("bhcs,bhcd,sbhdv->bhcv", w_n, Qh_n, Hc)
+        return _mul(A_n, Hc).at[0].add(own_n), out
+
+    Hc0 = jnp.zeros((S,) + own.shape[:2] + own.shape[3:], own.dtype)
+    xs = [jnp.moveaxis(x, 2, 0) for x in (Qh, A_c, own, w)]
+    _, out = jax.lax.scan(body, Hc0, [jnp.arange(N, dtype=jnp.int32), *xs])
+    return jnp.moveaxis(out, 0, 2)
+
+
+def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64):
+    """Chunked form: O(T·c) intra-chunk matmuls plus a scan over chunk states.
+
+    Plain: ``O = M V + Q̂ H_{n−1}``.  Log-linear (``chunk_size`` a power of two): levels
+    ``0..log2 c`` are inside the chunk, ``O ⊇ (Λ_intra ∘ M) V`` with
+    ``Λ_intra[τ,σ] = λ_τ^{ℓ(τ,σ)}`` from the static table ``fenwick.level_table(c)``; chunk
+    ``n' < n`` is at level ``log2 c + bit_length(n XOR n')`` and enters as ``λ_τ^{(ℓ)} Q̂_τ Hc[ℓ]``.
+    The level states are a binary counter over chunks in one pass: O(T log T) time, O(log T)
+    states in memory.
+    """
+    dt = common.state_dtype(q, k, v, g, beta, lam)
+    q, k, v, g, beta, lam = _cast(dt, q, k, v, g, beta, lam)
+    T = q.shape[1]
+    c = chunk_size
+    Q, K, V, G, Beta, Lam = (None if x is None else common.to_chunks(common.pad_time(x, c), c)
+                             for x in (q, k, v, g, beta, lam))
+    M, Qh, A_c, own = _chunk_terms(Q, K, V, G, Beta)
+    if Lam is None:
+        out = _ein("...ts,...sv->...tv", M, V) + _prefix_plain(Qh, A_c, own)
+        return common.from_chunks(out, T)
+    lc = fenwick.chunk_log2(c)
+    S = fenwick.num_levels(Q.shape[2])               # slots for chunk levels 0..bit_length(N−1)
+    Lam = jnp.pad(Lam, [(0, 0)] * 4 + [(0, max(0, lc + S - Lam.shape[-1]))])
+    idx = jnp.asarray(np.maximum(fenwick.level_table(c), 0))  # masked above the diagonal by M
+    Lam_intra = jnp.take_along_axis(Lam, jnp.broadcast_to(idx, Lam.shape[:3] + idx.shape), axis=-1)
+    out = _ein("...ts,...sv->...tv", Lam_intra * M, V) + _prefix_levels(Qh, A_c, own,
+                                                                          Lam[..., lc:lc + S])
+    return common.from_chunks(out, T)
+
+
+# --------------------------------------------------------------------------- public entries
+
+_JITTED = {"recurrent": jax.jit(recurrent), "scan": jax.jit(scan),
+           "chunked": jax.jit(chunked, static_argnames="chunk_size")}
+
+
+def check_lam(lam, B, T, H, *, name):
+    """``lam: [B,T,H,L]`` with ``L ≥ fenwick.num_levels(T)``; ValueError otherwise."""
+    lam = jnp.asarray(lam)
+    need = fenwick.num_levels(T)
+    if lam.ndim != 4 or lam.shape[:3] != (B, T, H):
+        raise ValueError(f"{name}: lam must have shape [B,T,H,levels] with [B,T,H]={(B, T, H)}, "
+                         f"got {lam.shape}")
+    if lam.shape[-1] < need:
+        raise ValueError(f"{name}: lam has {lam.shape[-1]} levels but T={T} needs at least {need} "
+                         "(⌈log2 T⌉+1)")
+    return lam
+
+
+def _reference(q, k, v, g, beta, lam):
+    if beta is None:
+        return (reference.linear_attention(q, k, v, g) if lam is None
+                else reference.loglinear_mamba2(q, k, v, g, lam))
+    return (reference.gated_deltanet(q, k, v, g, beta) if lam is None
+            else reference.loglinear_gated_deltanet(q, k, v, g, beta, lam))
+
+
+def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, log_levels=False,
+        gate_required=True):
+    """Validate, then dispatch ``impl`` to the reference or one of the (jitted) forms above.
+
+    ``log_levels``: ``lam`` is required and ``chunk_size`` must be a power of two;
+    ``gate_required=False``: ``g=None`` means no decay.
+    """
+    impl = common.check_impl(impl, IMPLS)
+    chunk_size = common.check_chunk_size(chunk_size)
+    B, T, H, _, _ = common.check_qkv(q, k, v, name=name)
+    g = common.check_gate(g, B, T, H, name=name, required=gate_required)
+    g = common.gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)
+    if beta is not None:
+        beta = common.check_per_token(beta, B, T, H, "beta", name=name)
+    if log_levels:
+        lam = check_lam(lam, B, T, H, name=name)
+        fenwick.chunk_log2(chunk_size)
+    if impl == "reference":
+        return _reference(q, k, v, g, beta, lam)
+    if impl in ("recurrent", "scan"):
+        return _JITTED[impl](q, k, v, g, beta, lam)
+    return _JITTED["chunked"](q, k, v, g, beta, lam, chunk_size=chunk_size)
+
+
+def loglinear_mamba2(q, k, v, g, lam, *, impl="auto", chunk_size=64):
+    """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} D(t,s) (q_t·k_s) v_s``; ``lam: [B,T,H,L ≥ ⌈log2 T⌉+1]``."""
+    return run("loglinear_mamba2", q, k, v, g, None, lam, impl=impl, chunk_size=chunk_size,
+               log_levels=True)
+
+
+def gated_deltanet(q, k, v, g, beta, *, impl="auto", chunk_size=64):
+    """``o_t = Σ_{s≤t} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_s``, ``A_r = a_r (I − β_r k_r k_rᵀ)``.
+
+    Assumes L2-normalised keys (the calling layer's job) and ``beta`` in (0, 1).
+    """
+    return run("gated_deltanet", q, k, v, g, beta, impl=impl, chunk_size=chunk_size)
+
+
+def loglinear_gated_deltanet(q, k, v, g, beta, lam, *, impl="auto", chunk_size=64):
+    """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_s``; ``lam: [B,T,H,L]``."""
+    return run("loglinear_gated_deltanet", q, k, v, g, beta, lam, impl=impl,
+               chunk_size=chunk_size, log_levels=True)

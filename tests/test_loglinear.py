@@ -1,0 +1,197 @@
+"""Log-linear Mamba-2 and (log-linear) Gated DeltaNet: every form against the quadratic oracle."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, grads_of, make_gate, make_qkv
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hla_jax.ops import fenwick, linear, loglinear
+from hla_jax.ops import reference as ref
+
+OPS = {  # name -> (operator, reference, uses beta, uses lam)
+    "loglinear_mamba2": (loglinear.loglinear_mamba2, ref.loglinear_mamba2, False, True),
+    "gated_deltanet": (loglinear.gated_deltanet, ref.gated_deltanet, True, False),
+    "loglinear_gated_deltanet": (loglinear.loglinear_gated_deltanet, ref.loglinear_gated_deltanet,
+                                 True, True),
+}
+
+
+def _inputs(rng, T, dtype=np.float64, B=2, H=2, d=5, dv=3, levels=None):
+    """``q, k, v, g, beta, lam`` with L2-normalised keys, β ∈ (0.1, 0.9), λ ∈ (0.2, 1.5)."""
+    q, k, v = make_qkv(rng, B=B, T=T, H=H, d=d, dv=dv, dtype=dtype)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    g = make_gate(rng, B=B, T=T, H=H, dtype=dtype)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, size=(B, T, H)), dtype)
+    lam = jnp.asarray(rng.uniform(0.2, 1.5, size=(B, T, H, levels or fenwick.num_levels(T))), dtype)
+    return q, k, v, g, beta, lam
+
+
+def _args(name, xs):
+    q, k, v, g, beta, lam = xs
+    _, _, uses_beta, uses_lam = OPS[name]
+    return (q, k, v, g) + ((beta,) if uses_beta else ()) + ((lam,) if uses_lam else ())
+
+
+def _reference(name, *args):
+    return jax.jit(OPS[name][1])(*(a.astype(jnp.float64) for a in args))
+
+
+LL_M2, LL_GDN, GDN = "loglinear_mamba2", "loglinear_gated_deltanet", "gated_deltanet"
+CASES = [  # (operator, impl, chunk, T): every T and chunk size per form, not the full product
+    (LL_M2, "recurrent", 64, 100), (LL_GDN, "recurrent", 64, 1), (GDN, "recurrent", 64, 64),
+    (LL_M2, "scan", 64, 257), (LL_GDN, "scan", 64, 5), (LL_GDN, "scan", 64, 64),
+    (GDN, "scan", 64, 100),
+    (LL_M2, "chunked", 16, 1), (LL_M2, "chunked", 32, 257), (LL_M2, "chunked", 64, 64),
+    (LL_GDN, "chunked", 16, 257), (LL_GDN, "chunked", 32, 100), (LL_GDN, "chunked", 64, 5),
+    (GDN, "chunked", 16, 100), (GDN, "chunked", 64, 257),
+]
+
+
+@pytest.mark.parametrize("name,impl,chunk,T", CASES)
+def test_forms_float64(x64, rng, name, impl, chunk, T):
+    args = _args(name, _inputs(rng, T))
+    out = OPS[name][0](*args, impl=impl, chunk_size=chunk)
+    assert out.dtype == jnp.float64
+    assert_close(out, _reference(name, *args), 1e-10, f"{name} {impl}/{chunk}")
+
+
+@pytest.mark.parametrize("name,impl,chunk", [
+    (LL_GDN, "recurrent", 64), (LL_M2, "scan", 64), (LL_GDN, "scan", 64), (LL_M2, "chunked", 32),
+    (LL_GDN, "chunked", 64), (GDN, "chunked", 16)])
+def test_forms_float32(x64, rng, name, impl, chunk):
+    args = _args(name, _inputs(rng, 100, dtype=np.float32))
+    out = OPS[name][0](*args, impl=impl, chunk_size=chunk)
+    assert out.dtype == jnp.float32
+    assert_close(out, _reference(name, *args), 1e-4, f"{name} {impl}/{chunk}")
+
+
+@pytest.mark.parametrize("impl,chunk", [("scan", 64), ("chunked", 16)])
+@pytest.mark.parametrize("name", list(OPS))
+def test_gradients(x64, rng, name, impl, chunk):
+    args = _args(name, _inputs(rng, 12 if impl == "scan" else 37))
+    w = jnp.asarray(rng.normal(size=args[2].shape))
+    argnums = tuple(range(len(args)))
+    fn = functools.partial(OPS[name][0], impl=impl, chunk_size=chunk)
+    got = grads_of(fn, args, argnums, w)
+    want = grads_of(jax.jit(OPS[name][1]), args, argnums, w)
+    names = ["q", "k", "v", "g", "beta" if OPS[name][2] else "lam", "lam"]
+    for what, a, b in zip(names, got, want):
+        assert_close(a, b, 1e-10, f"{name} {impl}: d/d{what}")
+
+
+@pytest.mark.parametrize("impl,chunk", [("recurrent", 64), ("scan", 64), ("chunked", 16)])
+def test_all_ones_lambda_is_the_plain_operator(x64, rng, impl, chunk):
+    q, k, v, g, beta, lam = _inputs(rng, 64)
+    ones = jnp.ones_like(lam)
+    kw = {"impl": impl, "chunk_size": chunk}
+    assert_close(loglinear.loglinear_mamba2(q, k, v, g, ones, **kw),
+                 linear.mamba2(q, k, v, g, **kw), 1e-10, "mamba2")
+    assert_close(loglinear.loglinear_gated_deltanet(q, k, v, g, beta, ones, **kw),
+                 loglinear.gated_deltanet(q, k, v, g, beta, **kw), 1e-10, "gated deltanet")
+
+
+@pytest.mark.parametrize("name", [LL_M2, LL_GDN])
+def test_decode_step_equals_chunked(x64, rng, name):
+    """``step`` at traced positions t (fixed maximum of 15 levels) reproduces the chunked output."""
+    T, levels = 70, 15
+    q, k, v, g, beta, lam = _inputs(rng, T, levels=levels)
+    beta = beta if OPS[name][2] else None
+    full = OPS[name][0](*_args(name, (q, k, v, g, beta, lam)), impl="chunked", chunk_size=16)
+    state = loglinear.init_state(2, 2, 5, 3, levels, jnp.float64)
+    step = jax.jit(loglinear.step)
+    for t in range(T):
+        o, state = step(state, jnp.int32(t), q[:, t], k[:, t], v[:, t], g[:, t],
+                        None if beta is None else beta[:, t], lam[:, t])
+        assert_close(o, full[:, t], 1e-10, f"t={t}")
+
+
+def test_spare_levels_change_nothing(x64, rng):
+    """A fixed maximum of 15 levels (more than T=100 needs) gives the same outputs."""
+    args = _args("loglinear_mamba2", _inputs(rng, 100, levels=15))
+    want = _reference("loglinear_mamba2", *args)
+    for impl, chunk in [("recurrent", 64), ("scan", 64), ("chunked", 32)]:
+        out = loglinear.loglinear_mamba2(*args, impl=impl, chunk_size=chunk)
+        assert_close(out, want, 1e-10, impl)
+
+
+def _summaries(rng, n, matrix):
+    _, k, v, g, beta, _ = _inputs(rng, n, dtype=np.float32, B=1, H=2)
+    A, X = loglinear.token_summary(k, v, g, beta if matrix else None)
+    return [(A[:, i], X[:, i]) for i in range(n)]
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), matrix=st.booleans())
+def test_combine_is_associative(seed, matrix):
+    """The Fenwick-level SSM pair combine, scalar (Mamba-2) and matrix (Gated DeltaNet) A."""
+    a, b, c = _summaries(np.random.default_rng(seed), 3, matrix)
+    left = loglinear.combine(loglinear.combine(a, b), c)
+    right = loglinear.combine(a, loglinear.combine(b, c))
+    for x, y in zip(left, right):
+        assert_close(x, y, 1e-5)
+
+
+@pytest.mark.parametrize("impl,chunk", [("scan", 64), ("chunked", 16)])
+@pytest.mark.parametrize("name", [LL_M2, LL_GDN])
+def test_causal(rng, name, impl, chunk):
+    q, k, v, g, beta, lam = _inputs(rng, 40, dtype=np.float32)
+    t0 = 22
+    out = OPS[name][0](*_args(name, (q, k, v, g, beta, lam)), impl=impl, chunk_size=chunk)
+    changed = tuple(x.at[:, t0 + 1:].set(val)
+                    for x, val in zip((q, k, v, g, beta, lam), (1.0, 0.5, 2.0, -0.3, 0.5, 3.0)))
+    out2 = OPS[name][0](*_args(name, changed), impl=impl, chunk_size=chunk)
+    np.testing.assert_array_equal(np.asarray(out[:, :t0 + 1]), np.asarray(out2[:, :t0 + 1]))
+
+
+@pytest.mark.parametrize("name,impl,chunk", [
+    (LL_GDN, "recurrent", 64), (LL_M2, "scan", 64), (LL_GDN, "scan", 64), (LL_M2, "chunked", 16),
+    (LL_GDN, "chunked", 16), (GDN, "chunked", 16)])
+def test_infinite_log_decay_stays_finite(x64, rng, name, impl, chunk):
+    """A log-decay of −∞ (a document boundary) keeps every form finite and exact."""
+    q, k, v, g, beta, lam = _inputs(rng, 40)
+    args = _args(name, (q, k, v, g.at[:, 19].set(-jnp.inf), beta, lam))
+    assert_close(OPS[name][0](*args, impl=impl, chunk_size=chunk), _reference(name, *args), 1e-10)
+
+
+def test_errors(rng):
+    q, k, v, g, beta, lam = _inputs(rng, 40, dtype=np.float32)
+    with pytest.raises(ValueError, match="T=40 needs at least 7"):
+        loglinear.loglinear_mamba2(q, k, v, g, lam[..., :6])
+    with pytest.raises(ValueError, match="T=40 needs at least 7"):
+        loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam[..., :3])
+    with pytest.raises(ValueError, match="lam must have shape"):
+        loglinear.loglinear_mamba2(q, k, v, g, lam[:, :39])
+    with pytest.raises(ValueError, match="lam must have shape"):
+        loglinear.loglinear_mamba2(q, k, v, g, lam[..., 0])
+    with pytest.raises(ValueError, match="beta must have shape"):
+        loglinear.gated_deltanet(q, k, v, g, beta[:, :, :1])
+    with pytest.raises(ValueError, match="log-decay"):
+        loglinear.loglinear_mamba2(q, k, v, -g, lam)
+    with pytest.raises(ValueError, match="log-decay"):
+        loglinear.gated_deltanet(q, k, v, -g, beta)
+    with pytest.raises(ValueError, match="g .*required"):
+        loglinear.gated_deltanet(q, k, v, None, beta)
+    for c in (24, 48, 0):
+        with pytest.raises(ValueError, match="chunk_size"):
+            loglinear.loglinear_mamba2(q, k, v, g, lam, chunk_size=c)
+    with pytest.raises(ValueError, match="power of two"):
+        loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="scan", chunk_size=24)
+    for fn, args in [(loglinear.loglinear_mamba2, (q, k, v, g, lam)),
+                     (loglinear.gated_deltanet, (q, k, v, g, beta))]:
+        with pytest.raises(ValueError, match="impl"):
+            fn(*args, impl="fast")
+    with pytest.raises(ValueError, match="k must"):
+        loglinear.gated_deltanet(q, k[..., :4], v, g, beta)
+    with pytest.raises(ValueError, match="rank 4"):
+        loglinear.loglinear_mamba2(q, k, v[0], g, lam)
+
+
+def test_plain_gated_deltanet_accepts_any_chunk_size(x64, rng):
+    args = _args("gated_deltanet", _inputs(rng, 50))
+    out = loglinear.gated_deltanet(*args, chunk_size=24)
+    assert_close(out, _reference("gated_deltanet", *args), 1e-10)
