@@ -114,13 +114,8 @@ def combine(a: Summary, b: Summary) -> Summary:
 def ahla_recurrent(q, k, v, g=None, *, normalize=False, eps=1e-6):
     """Serial recurrence: ``lax.scan`` of ``step`` over time, O(d·dv) state per head."""
     B, _, H, d, dv = check_qkv(q, k, v, name="ahla")
-
-    def state_first(state, *x):
-        o, state = step(state, *x, normalize=normalize, eps=eps)
-        return state, o
-
     state = init_state(B, H, d, dv, normalize=normalize, dtype=state_dtype(q, k, v, g))
-    out, _ = scan_time(state_first, state, q, k, v, g)
+    out, _ = scan_time(step, state, q, k, v, g, normalize=normalize, eps=eps)
     return out
 
 

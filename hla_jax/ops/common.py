@@ -165,18 +165,20 @@ def exclusive_scan(combine, identity, elems, axis: int):
         identity, inclusive)
 
 
-def scan_time(step, state, *xs):
-    """Serial recurrence over time: ``state, o_t = step(state, x_t...)`` for each t.
+def scan_time(step, state, *xs, **kw):
+    """Serial recurrence over time: ``o_t, state = step(state, x_t..., **kw)`` for each t.
 
-    ``xs`` are ``[B,T,H,...]`` (``None`` entries are passed through as ``None``); ``step``
-    sees ``[B,H,...]`` slices.  Returns ``(outputs [B,T,H,...], final_state)``.
+    ``step`` follows the families' decode convention (output first).  ``xs`` are
+    ``[B,T,H,...]`` (``None`` entries are passed through as ``None``); ``step`` sees ``[B,H,...]``
+    slices.  Returns ``(outputs [B,T,H,...], final_state)``.
     """
     present = [x for x in xs if x is not None]
     moved = [jnp.moveaxis(x, 1, 0) for x in present]
 
     def body(s, sl):
         it = iter(sl)
-        return step(s, *[None if x is None else next(it) for x in xs])
+        o, s = step(s, *[None if x is None else next(it) for x in xs], **kw)
+        return s, o
 
     state, out = jax.lax.scan(body, state, moved)
     return jax.tree.map(lambda o: jnp.moveaxis(o, 0, 1), out), state

@@ -27,9 +27,12 @@ from hla_jax.ops.common import (
     check_qkv,
     clamp_signed,
     decay_matrix,
+    ein,
+    empty_segment,
     exclusive_scan,
     from_chunks,
     gate_or_zeros,
+    mm,
     pad_time,
     scan_time,
     state_dtype,
@@ -37,15 +40,6 @@ from hla_jax.ops.common import (
 )
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "auto")
-_HI = jax.lax.Precision.HIGHEST
-
-
-def _ein(spec, *xs):
-    return jnp.einsum(spec, *xs, precision=_HI)
-
-
-def _mm(a, b):
-    return jnp.matmul(a, b, precision=_HI)
 
 
 class State(NamedTuple):
@@ -83,8 +77,8 @@ def readout(s, q):
 
     ``q: [...,d]`` against states with the same leading axes; returns ``(o [...,dv], den [...])``.
     """
-    qS = _ein("...i,...ij->...j", q, s.S)
-    o = _ein("...j,...jv->...v", qS, s.C) - _ein("...i,...iv->...v", q, s.G)
+    qS = ein("...i,...ij->...j", q, s.S)
+    o = ein("...j,...jv->...v", qS, s.C) - ein("...i,...iv->...v", q, s.G)
     den = jnp.sum(qS * s.m, -1) - jnp.sum(q * s.h, -1)
     return o, den
 
@@ -108,7 +102,7 @@ def step(state: State, q_t, k_t, v_t, g_t=None, normalize: bool = False, eps: fl
     q_t, k_t, v_t = (x.astype(dt) for x in (q_t, k_t, v_t))
     a = jnp.ones(q_t.shape[:-1], dt) if g_t is None else jnp.exp(g_t.astype(dt))
     a1, a2 = a[..., None], a[..., None, None]
-    kC = _ein("...i,...iv->...v", k_t, state.C)
+    kC = ein("...i,...iv->...v", k_t, state.C)
     km = jnp.sum(k_t * state.m, -1, keepdims=True)
     new = State(
         S=a2 * state.S + k_t[..., :, None] * k_t[..., None, :],
@@ -140,8 +134,8 @@ def combine(a: Summary, b: Summary) -> Summary:
         S=r2 * a.S + b.S,
         C=r2 * a.C + b.C,
         m=r1 * a.m + b.m,
-        G=r2**2 * a.G + b.G + r2 * _mm(b.S, a.C),
-        h=r1**2 * a.h + b.h + r1 * _ein("...ij,...j->...i", b.S, a.m),
+        G=r2**2 * a.G + b.G + r2 * mm(b.S, a.C),
+        h=r1**2 * a.h + b.h + r1 * ein("...ij,...j->...i", b.S, a.m),
     )
 
 
@@ -159,11 +153,8 @@ def hla2_recurrent(q, k, v, g=None, *, normalize=False, eps=1e-6):
     """Serial recurrence: ``lax.scan`` of ``step`` over time, O(d² + d·dv) state per head."""
     q, k, v, g, (B, _, H, d, dv) = _prepare(q, k, v, g)
 
-    def state_first(state, *x):  # scan_time wants (new_state, o_t); step returns (o_t, new_state)
-        o, state = step(state, *x, normalize=normalize, eps=eps)
-        return state, o
-
-    out, _ = scan_time(state_first, init_state(B, H, d, dv, q.dtype), q, k, v, g)
+    out, _ = scan_time(step, init_state(B, H, d, dv, q.dtype), q, k, v, g,
+                       normalize=normalize, eps=eps)
     return out
 
 
@@ -189,25 +180,16 @@ def chunk_summaries(Q, K, V, g, Gam) -> Summary:
     """
     gam = Gam[..., -1, :, None]
     Kg, Qg = gam * K, gam * Q
-    X = jnp.tril(_mm(Kg, jnp.swapaxes(Qg, -1, -2)), -1)
-    KX = _mm(jnp.swapaxes(K, -1, -2), X)  # [...,d,c]
+    X = jnp.tril(mm(Kg, jnp.swapaxes(Qg, -1, -2)), -1)
+    KX = mm(jnp.swapaxes(K, -1, -2), X)  # [...,d,c]
     return Summary(
         rho=jnp.exp(jnp.sum(g, -1)),
-        S=_mm(jnp.swapaxes(Kg, -1, -2), K),
-        C=_mm(jnp.swapaxes(Qg, -1, -2), V),
+        S=mm(jnp.swapaxes(Kg, -1, -2), K),
+        C=mm(jnp.swapaxes(Qg, -1, -2), V),
         m=jnp.sum(Qg, -2),
-        G=_mm(KX, V),
+        G=mm(KX, V),
         h=jnp.sum(KX, -1),
     )
-
-
-def _identity(like: Summary, axis: int) -> Summary:
-    """The empty segment (ρ = 1, every state 0), with ``axis`` of length 1."""
-    def one(x, fill):
-        shape = list(x.shape)
-        shape[axis] = 1
-        return jnp.full(shape, fill, x.dtype)
-    return Summary(one(like.rho, 1), *(one(x, 0) for x in like[1:]))
 
 
 @functools.partial(jax.jit, static_argnames=("normalize", "chunk_size"))
@@ -228,18 +210,18 @@ def hla2_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64):
     Q, K, V, gc = (to_chunks(pad_time(x, c), c) for x in (q, k, v, g))  # [B,H,N,c,...]
     Gam = decay_matrix(gc)
     own = chunk_summaries(Q, K, V, gc, Gam)
-    p = exclusive_scan(combine, _identity(own, 2), own, axis=2)  # prefix before each chunk
+    p = exclusive_scan(combine, empty_segment(own, 2), own, axis=2)  # prefix before each chunk
 
     rho = jnp.exp(jnp.cumsum(gc, -1))[..., None]
-    A = _mm(Q, jnp.swapaxes(K, -1, -2))
+    A = mm(Q, jnp.swapaxes(K, -1, -2))
     W = causal_mask(c, A.dtype) * A
-    QS0Q = _mm(_mm(Q, p.S), jnp.swapaxes(Q, -1, -2))
-    M = (rho * QS0Q + _mm(Gam * A, jnp.swapaxes(W, -1, -2))) * Gam
-    U0 = _mm(p.S, p.C) - p.G
-    O = rho**2 * _mm(Q, U0) + _mm(M, V)
+    QS0Q = mm(mm(Q, p.S), jnp.swapaxes(Q, -1, -2))
+    M = (rho * QS0Q + mm(Gam * A, jnp.swapaxes(W, -1, -2))) * Gam
+    U0 = mm(p.S, p.C) - p.G
+    O = rho**2 * mm(Q, U0) + mm(M, V)
     if normalize:
-        u0 = _ein("...ij,...j->...i", p.S, p.m) - p.h
-        den = rho[..., 0] ** 2 * _ein("...ci,...i->...c", Q, u0) + jnp.sum(M, -1)
+        u0 = ein("...ij,...j->...i", p.S, p.m) - p.h
+        den = rho[..., 0] ** 2 * ein("...ci,...i->...c", Q, u0) + jnp.sum(M, -1)
         O = _finish(O, den, True, eps)
     return from_chunks(O, T)
 

@@ -297,14 +297,6 @@ def paper_chunk(state: PaperState, Q, K, V):
 # forms
 
 
-def _state_first(step_fn, **kw):
-    """Adapt ``step(state, ...) -> (o, state)`` to ``scan_time``'s ``(state, o)``."""
-    def body(state, *x):
-        o, state = step_fn(state, *x, **kw)
-        return state, o
-    return body
-
-
 @functools.partial(jax.jit, static_argnames=("mask", "normalize"))
 def hla3_recurrent(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6):
     """Serial recurrence: ``lax.scan`` of ``step`` (causal) or ``paper_step`` over time,
@@ -314,10 +306,10 @@ def hla3_recurrent(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6)
     dt = state_dtype(q, k, v, g)
     if mask == "paper":
         init = paper_init_state(B, H, d, dv, normalize=normalize, dtype=dt)
-        out, _ = scan_time(_state_first(paper_step, normalize=normalize, eps=eps), init, q, k, v)
+        out, _ = scan_time(paper_step, init, q, k, v, normalize=normalize, eps=eps)
         return out
     init = init_state(B, H, d, dv, normalize=normalize, dtype=dt)
-    out, _ = scan_time(_state_first(step, normalize=normalize, eps=eps), init, q, k, v, g)
+    out, _ = scan_time(step, init, q, k, v, g, normalize=normalize, eps=eps)
     return out
 
 

@@ -23,19 +23,14 @@ from jax.scipy.linalg import solve_triangular
 
 from hla_jax.ops import common, fenwick, reference
 
-_HI = jax.lax.Precision.HIGHEST
 IMPLS = ("reference", "recurrent", "scan", "chunked", "auto")
-
-
-def _ein(spec, *xs):
-    return jnp.einsum(spec, *xs, precision=_HI)
 
 
 def _mul(A, X):
     """``A X`` for a transition ``A``: ``[..., 1, 1]`` (scalar decay) or ``[..., d, d]``."""
     if A.shape[-1] == 1:
         return A * X
-    return jnp.matmul(A, X, precision=_HI)
+    return common.mm(A, X)
 
 
 # --------------------------------------------------------------------------- algebra
@@ -65,8 +60,8 @@ def readout(q, H, lam=None):
     """``o = qᵀ H`` (``H: [..., d, dv]``) or ``Σ_ℓ λ^ℓ qᵀ H[ℓ]`` (``H: [L, ..., d, dv]``,
     ``lam: [..., L]``)."""
     if lam is None:
-        return _ein("...d,...dv->...v", q, H)
-    return _ein("...l,...d,l...dv->...v", lam, q, H)
+        return common.ein("...d,...dv->...v", q, H)
+    return common.ein("...l,...d,l...dv->...v", lam, q, H)
 
 
 def init_state(B, H, d, dv, levels=None, dtype=jnp.float32):
@@ -85,7 +80,7 @@ def step(state, t, q, k, v, g, beta=None, lam=None):
     """
     H = state if lam is None else fenwick.carry(state, t)
     if beta is not None:
-        kH = _ein("...d,...dv->...v", k, H)
+        kH = common.ein("...d,...dv->...v", k, H)
         H = H - beta[..., None, None] * k[..., :, None] * kH[..., None, :]
         v = beta[..., None] * v
     H = jnp.exp(g)[..., None, None] * H
@@ -111,7 +106,7 @@ def recurrent(q, k, v, g, beta=None, lam=None):
     def body(carry, *x):
         state, t = carry
         o, state = step(state, t, *x)
-        return (state, t + 1), o
+        return o, (state, t + 1)
 
     carry0 = (init_state(B, H, d, v.shape[-1], levels, dt), jnp.zeros((), jnp.int32))
     out, _ = common.scan_time(body, carry0, q, k, v, g, beta, lam)
@@ -165,18 +160,18 @@ def _chunk_terms(Q, K, V, G, Beta):
     gamma = jnp.exp(jnp.cumsum(G, axis=-1))          # γ_τ = D(τ, −1)
     Kt = Gam[..., -1, :, None] * K                   # K̃ = (γ_c / γ) ∘ K
     gamma_c = gamma[..., -1, None, None]
-    P = _ein("...td,...sd->...ts", Q, K) * Gam
+    P = common.ein("...td,...sd->...ts", Q, K) * Gam
     if Beta is None:
-        return P, gamma[..., None] * Q, gamma_c, _ein("...cd,...cv->...dv", Kt, V)
+        return P, gamma[..., None] * Q, gamma_c, common.ein("...cd,...cv->...dv", Kt, V)
     c, d = K.shape[-2:]
     eye = jnp.eye(c, dtype=K.dtype)
-    strict = jnp.tril(Beta[..., :, None] * _ein("...td,...sd->...ts", K, K) * Gam, -1)
+    strict = jnp.tril(Beta[..., :, None] * common.ein("...td,...sd->...ts", K, K) * Gam, -1)
     Tm = solve_triangular(eye + strict, eye * Beta[..., None, :], lower=True, unit_diagonal=True)
-    W = _ein("...ts,...sd->...td", Tm, gamma[..., None] * K)
-    U = _ein("...ts,...sv->...tv", Tm, V)
-    Qh = gamma[..., None] * Q - _ein("...ts,...sd->...td", P, W)
-    A_c = gamma_c * jnp.eye(d, dtype=K.dtype) - _ein("...cd,...ce->...de", Kt, W)
-    return _ein("...ts,...sr->...tr", P, Tm), Qh, A_c, _ein("...cd,...cv->...dv", Kt, U)
+    W = common.ein("...ts,...sd->...td", Tm, gamma[..., None] * K)
+    U = common.ein("...ts,...sv->...tv", Tm, V)
+    Qh = gamma[..., None] * Q - common.ein("...ts,...sd->...td", P, W)
+    A_c = gamma_c * jnp.eye(d, dtype=K.dtype) - common.ein("...cd,...ce->...de", Kt, W)
+    return common.ein("...ts,...sr->...tr", P, Tm), Qh, A_c, common.ein("...cd,...cv->...dv", Kt, U)
 
 
 def _prefix_plain(Qh, A_c, own):
@@ -186,7 +181,7 @@ def _prefix_plain(Qh, A_c, own):
     identity = (jnp.broadcast_to(eye, (B, H, 1) + eye.shape),
                 jnp.zeros((B, H, 1) + own.shape[3:], own.dtype))
     Hp = common.exclusive_scan(combine, identity, (A_c, own), axis=2)[1]
-    return _ein("...cd,...dv->...cv", Qh, Hp)
+    return common.ein("...cd,...dv->...cv", Qh, Hp)
 
 
 def _prefix_levels(Qh, A_c, own, w):
@@ -201,7 +196,7 @@ def _prefix_levels(Qh, A_c, own, w):
     def body(Hc, x):
         n, Qh_n, A_n, own_n, w_n = x
         Hc = fenwick.carry(Hc, n)
-        out = _ein("bhcs,bhcd,sbhdv->bhcv", w_n, Qh_n, Hc)
+        out = common.ein("bhcs,bhcd,sbhdv->bhcv", w_n, Qh_n, Hc)
         return _mul(A_n, Hc).at[0].add(own_n), out
 
     Hc0 = jnp.zeros((S,) + own.shape[:2] + own.shape[3:], own.dtype)
@@ -228,14 +223,14 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64):
                              for x in (q, k, v, g, beta, lam))
     M, Qh, A_c, own = _chunk_terms(Q, K, V, G, Beta)
     if Lam is None:
-        out = _ein("...ts,...sv->...tv", M, V) + _prefix_plain(Qh, A_c, own)
+        out = common.ein("...ts,...sv->...tv", M, V) + _prefix_plain(Qh, A_c, own)
         return common.from_chunks(out, T)
     lc = fenwick.chunk_log2(c)
     S = fenwick.num_levels(Q.shape[2])               # slots for chunk levels 0..bit_length(N−1)
     Lam = jnp.pad(Lam, [(0, 0)] * 4 + [(0, max(0, lc + S - Lam.shape[-1]))])
     idx = jnp.asarray(np.maximum(fenwick.level_table(c), 0))  # masked above the diagonal by M
     Lam_intra = jnp.take_along_axis(Lam, jnp.broadcast_to(idx, Lam.shape[:3] + idx.shape), axis=-1)
-    out = _ein("...ts,...sv->...tv", Lam_intra * M, V) + _prefix_levels(Qh, A_c, own,
+    out = common.ein("...ts,...sv->...tv", Lam_intra * M, V) + _prefix_levels(Qh, A_c, own,
                                                                           Lam[..., lc:lc + S])
     return common.from_chunks(out, T)
 

@@ -12,13 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hla_jax.ops.common import HIGHEST as _HI
 from hla_jax.ops.common import clamp_signed, decay_matrix, state_dtype
-
-_HI = jax.lax.Precision.HIGHEST
-
-
-def _ein(spec, *xs):
-    return jnp.einsum(spec, *xs, precision=_HI)
+from hla_jax.ops.common import ein as _ein
 
 
 def _heads_first(x, dtype):
