@@ -78,11 +78,11 @@ def test_step_without_gate(x64, rng):
 
 
 def test_associative_scan_of_token_summaries(x64, rng):
-    """The notebook path: ``associative_scan(combine, token_summary(...))`` then ``readout``."""
+    """The notebook path: ``associative_scan(combine, token_summaries(...))`` then ``readout``."""
     q, k, v, g = _inputs(rng, 30)
     prefix = jax.jit(lambda s: jax.lax.associative_scan(linear.combine, s, axis=1))
-    _, H = prefix(linear.token_summary(k, v, g))
-    assert_close(linear.readout(q, H), ref.linear_attention(q, k, v, g), 1e-10)
+    _, H = prefix(linear.token_summaries(k, v, g))
+    assert_close(linear.readout(H, q), ref.linear_attention(q, k, v, g), 1e-10)
 
 
 @settings(max_examples=20, deadline=None)
@@ -91,7 +91,7 @@ def test_combine_is_associative(seed, gated):
     rng = np.random.default_rng(seed)
     _, k, v, g = _inputs(rng, 3, "token" if gated else None, np.float32, B=1, H=2)
     g = jnp.zeros(k.shape[:3]) if g is None else g
-    A, X = linear.token_summary(k, v, g)
+    A, X = linear.token_summaries(k, v, g)
     a, b, c = ((A[:, i], X[:, i]) for i in range(3))
     left = linear.combine(linear.combine(a, b), c)
     right = linear.combine(a, linear.combine(b, c))

@@ -121,7 +121,7 @@ def test_spare_levels_change_nothing(x64, rng):
 
 def _summaries(rng, n, matrix):
     _, k, v, g, beta, _ = _inputs(rng, n, dtype=np.float32, B=1, H=2)
-    A, X = loglinear.token_summary(k, v, g, beta if matrix else None)
+    A, X = loglinear.token_summaries(k, v, g, beta if matrix else None)
     return [(A[:, i], X[:, i]) for i in range(n)]
 
 

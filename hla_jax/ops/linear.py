@@ -14,15 +14,15 @@ from hla_jax.ops import loglinear
 from hla_jax.ops.loglinear import combine, readout
 
 __all__ = ["chunked", "combine", "init_state", "linear_attention", "mamba2", "readout",
-           "recurrent", "scan", "step", "token_summary"]
+           "recurrent", "scan", "step", "token_summaries"]
 
 
-def token_summary(k, v, g):
+def token_summaries(k, v, g):
     """Per-token SSM pair ``(a_t, k_t v_tᵀ)`` with ``a_t = exp(g_t)`` as ``[..., 1, 1]``.
 
-    ``jax.lax.associative_scan(combine, token_summary(k, v, g), axis=1)`` gives every ``H_t``.
+    ``jax.lax.associative_scan(combine, token_summaries(k, v, g), axis=1)`` gives every ``H_t``.
     """
-    return loglinear.token_summary(k, v, g)
+    return loglinear.token_summaries(k, v, g)
 
 
 def init_state(B, H, d, dv, dtype=jnp.float32):

@@ -36,7 +36,7 @@ def _mul(A, X):
 # --------------------------------------------------------------------------- algebra
 
 
-def token_summary(k, v, g, beta=None):
+def token_summaries(k, v, g, beta=None):
     """Per-token SSM pair ``(A_t, X_t)``, ``X_t = k_t β_t v_tᵀ: [..., d, dv]``.
 
     ``A_t = a_t`` as ``[..., 1, 1]`` (``beta=None``) or ``a_t (I − β_t k_t k_tᵀ): [..., d, d]``.
@@ -56,7 +56,7 @@ def combine(a, b):
     return _mul(A_b, A_a), _mul(A_b, H_a) + H_b
 
 
-def readout(q, H, lam=None):
+def readout(H, q, lam=None):
     """``o = qᵀ H`` (``H: [..., d, dv]``) or ``Σ_ℓ λ^ℓ qᵀ H[ℓ]`` (``H: [L, ..., d, dv]``,
     ``lam: [..., L]``)."""
     if lam is None:
@@ -86,7 +86,7 @@ def step(state, t, q, k, v, g, beta=None, lam=None):
     H = jnp.exp(g)[..., None, None] * H
     X = k[..., :, None] * v[..., None, :]
     H = H + X if lam is None else H.at[0].add(X)
-    return readout(q, H, lam), H
+    return readout(H, q, lam), H
 
 
 # --------------------------------------------------------------------------- forms
@@ -133,16 +133,16 @@ def scan(q, k, v, g, beta=None, lam=None):
     dt = common.state_dtype(q, k, v, g, beta, lam)
     q, k, v, g, beta, lam = _cast(dt, q, k, v, g, beta, lam)
     T = q.shape[1]
-    A, X = token_summary(k, v, g, beta)
+    A, X = token_summaries(k, v, g, beta)
     if lam is None:
-        return readout(q, _segmented_states(A, X, np.zeros(T, bool)))
-    out = lam[..., 0:1] * readout(q, X)
+        return readout(_segmented_states(A, X, np.zeros(T, bool)), q)
+    out = lam[..., 0:1] * readout(X, q)
     pos = np.arange(T)
     for lev in range(1, fenwick.num_levels(T)):
         left = ((pos >> (lev - 1)) & 1) == 0
         block = _segmented_states(A, jnp.where(left[:, None, None, None], X, 0),
                                   pos % (1 << lev) == 0)
-        out = out + jnp.where(left[:, None, None], 0, lam[..., lev:lev + 1]) * readout(q, block)
+        out = out + jnp.where(left[:, None, None], 0, lam[..., lev:lev + 1]) * readout(block, q)
     return out
 
 
