@@ -1,0 +1,102 @@
+"""Decoder-only language model: embedding, pre-norm blocks (RMSNorm, mixer, SwiGLU), final norm,
+tied or separate head.  ``LM(cfg, rngs=nnx.Rngs(0))(tokens [B,T]) -> logits [B,T,V] float32``.
+
+Decoding API (used by :func:`hla_jax.nn.generate`): ``init_cache(batch, max_len)``,
+``prefill(tokens, cache) -> (logits, cache)`` and ``step(token [B], cache, pos) -> (logits [B,V], cache)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hla_jax.nn.config import ModelConfig
+from hla_jax.nn.layers import Dense, RMSNorm, SwiGLU, param
+from hla_jax.nn.mixers import MIXER_CLASSES
+
+
+class Block(nnx.Module):
+    """``x += mixer(RMSNorm(x)); x += SwiGLU(RMSNorm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, mixer: str, *, rngs):
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.mixer_name = mixer
+        self.norm1 = RMSNorm((cfg.d_model,), ("embed",), rngs=rngs, eps=cfg.norm_eps)
+        self.mixer = MIXER_CLASSES[mixer](cfg, rngs=rngs, out_std=out_std)
+        self.norm2 = RMSNorm((cfg.d_model,), ("embed",), rngs=rngs, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, rngs=rngs, std=cfg.init_std, out_std=out_std)
+
+    def __call__(self, x):
+        x = x + self.mixer(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+    def prefill(self, x, cache):
+        y, cache = self.mixer.prefill(self.norm1(x), cache)
+        x = x + y
+        return x + self.mlp(self.norm2(x)), cache
+
+    def step(self, x_t, cache, pos):
+        y, cache = self.mixer.step(self.norm1(x_t), cache, pos)
+        x_t = x_t + y
+        return x_t + self.mlp(self.norm2(x_t)), cache
+
+
+class LM(nnx.Module):
+    """Token embedding -> ``n_layers`` blocks (mixers from ``cfg.mixer_pattern``) -> logits."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
+                           ("vocab", "embed"))
+        self.blocks = nnx.List([Block(cfg, m, rngs=rngs) for m in cfg.layer_mixers()])
+        self.norm = RMSNorm((cfg.d_model,), ("embed",), rngs=rngs, eps=cfg.norm_eps)
+        self.head = (None if cfg.tie_embeddings else
+                     Dense((cfg.d_model,), (cfg.vocab_size,), ("embed", "vocab"), rngs=rngs,
+                           std=cfg.init_std))
+
+    def _embed(self, tokens):
+        return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
+
+    def _logits(self, x):
+        x = self.norm(x)
+        w = self.embed[...].T if self.head is None else self.head.kernel[...]
+        return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens):
+        """``tokens: [B,T] int -> logits [B,T,vocab] float32``."""
+        x = self._embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self._logits(x)
+
+    def init_cache(self, batch: int, max_len: int):
+        """Per-layer decode state for ``batch`` sequences of at most ``max_len`` tokens."""
+        dtype = self.cfg.compute_dtype
+        return [b.mixer.init_cache(batch, max_len, dtype) for b in self.blocks]
+
+    def prefill(self, tokens, cache):
+        """Full forward over the prompt ``[B,T]``; returns its logits and the decode state after it."""
+        x = self._embed(tokens)
+        new = []
+        for block, c in zip(self.blocks, cache):
+            x, c = block.prefill(x, c)
+            new.append(c)
+        return self._logits(x), new
+
+    def step(self, token, cache, pos):
+        """One token ``[B]`` at position ``pos`` -> ``(logits [B,V], cache)``."""
+        x = self._embed(token)
+        new = []
+        for block, c in zip(self.blocks, cache):
+            x, c = block.step(x, c, pos)
+            new.append(c)
+        return self._logits(x), new
+
+
+def param_count(model: nnx.Module) -> int:
+    """Number of scalars in all ``nnx.Param`` of ``model``."""
+    return int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))

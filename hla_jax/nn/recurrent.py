@@ -1,0 +1,159 @@
+"""The shared skeleton of every recurrent (linear, HLA, SSM) token mixer, and its gates.
+
+    q, k, v = x W_q, x W_k, x W_v                       [B,T,H,d]   (x: [B,T,D], RMS-normalised)
+    q, k, v = SiLU(causal_depthwise_conv(q, k, v))       when the family uses a short conv
+    inputs  = features(x, q, k, v)                       q/k normalisation, gates g, β, λ, v = dt·x, ...
+    o       = op(inputs)                                 hla_jax.ops entry, impl=cfg.impl
+    y       = W_o (RMSNorm_h(o) ∘ act(x W_z))            OutputGate
+
+Decoding keeps ``{"conv": last K-1 conv inputs, "state": the family's recurrent state}``.
+Prefill computes its outputs with the chunked op and its final state with the family's serial
+recurrence (a ``lax.scan`` of the family ``step`` over the prompt: O(T) sequential steps, O(1)
+memory per layer, and exactly the state decoding continues from).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hla_jax.nn.layers import Dense, OutputGate, ShortConv, l2_normalize, param
+
+
+class DecayGate(nnx.Module):
+    """Mamba-2 style decay: ``dt = softplus(x W_dt + dt_bias)``, ``g = −exp(A_log)·dt ≤ 0``.
+
+    ``A = exp(A_log)`` is initialised uniformly in [1, 16] and ``dt`` log-uniformly in
+    [1e-3, 1e-1] (through ``dt_bias = softplus⁻¹(dt)``), as in Mamba-2 and Gated DeltaNet.
+    Returns ``(g, dt)``, both float32 ``[..., H]``.
+    """
+
+    def __init__(self, cfg, *, rngs):
+        H = cfg.n_heads
+
+        def a_log_init(key, shape, dtype=jnp.float32):
+            return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+
+        def dt_bias_init(key, shape, dtype=jnp.float32):
+            dt = jnp.exp(jax.random.uniform(key, shape, dtype, math.log(1e-3), math.log(1e-1)))
+            return dt + jnp.log(-jnp.expm1(-dt))  # softplus⁻¹(dt)
+
+        self.proj = Dense((cfg.d_model,), (H,), ("embed", "heads"), rngs=rngs, std=cfg.init_std)
+        self.A_log = param(rngs, a_log_init, (H,), ("heads",))
+        self.dt_bias = param(rngs, dt_bias_init, (H,), ("heads",))
+
+    def __call__(self, x):
+        dt = jax.nn.softplus(self.proj(x).astype(jnp.float32) + self.dt_bias[...])
+        return -jnp.exp(self.A_log[...]) * dt, dt
+
+
+class LevelWeights(nnx.Module):
+    """Log-linear level weights ``λ_{h,ℓ} = softplus(s_{h,ℓ} · (x W_λ)_{h,ℓ})``, float32 ``[..., H, L]``.
+
+    ``s`` is a learned per-head, per-level scale initialised to 1; ``L = cfg.num_levels``.
+    """
+
+    def __init__(self, cfg, *, rngs):
+        H, L = cfg.n_heads, cfg.num_levels
+        self.proj = Dense((cfg.d_model,), (H, L), ("embed", "heads", "levels"), rngs=rngs,
+                          std=cfg.init_std)
+        self.scale = param(rngs, nnx.initializers.ones, (H, L), ("heads", "levels"))
+
+    def __call__(self, x):
+        return jax.nn.softplus(self.scale[...] * self.proj(x).astype(jnp.float32))
+
+
+def normalize_qk(q, k):
+    """L2-normalise q and k over the head dimension and scale q by ``d**-0.5``."""
+    return l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
+
+
+class RecurrentMixer(nnx.Module):
+    """Projections, optional short conv, op, output norm/gate; subclasses define the family.
+
+    Subclasses set ``uses_conv`` and implement ``features(x, q, k, v) -> dict`` (the op's inputs,
+    shapes ``[B,T,H,...]`` or, when decoding, ``[B,H,...]``), ``op(f)``, ``op_init(batch)`` and
+    ``op_step(state, f_t, pos) -> (o_t, state)``; ``readout(o, v)`` may add a skip term.
+    """
+
+    uses_conv = False
+
+    def __init__(self, cfg, *, rngs, out_std):
+        H, d, D = cfg.n_heads, cfg.head_dim, cfg.d_model
+        self.cfg = cfg
+        names = ("embed", "heads", "kv")
+        self.q = Dense((D,), (H, d), names, rngs=rngs, std=cfg.init_std)
+        self.k = Dense((D,), (H, d), names, rngs=rngs, std=cfg.init_std)
+        self.v = Dense((D,), (H, d), names, rngs=rngs, std=cfg.init_std)
+        self.conv = (ShortConv(cfg.conv_size, H, 3 * d, rngs=rngs)
+                     if self.uses_conv and cfg.conv_size > 0 else None)
+        self.output = OutputGate(cfg, rngs=rngs, out_std=out_std)
+
+    def readout(self, o, v):
+        """The op output plus any skip term (``v`` after the conv); identity by default."""
+        return o
+
+    # -- shared machinery -----------------------------------------------------------------
+    def _split(self, qkv):
+        return tuple(jnp.split(qkv, 3, axis=-1))
+
+    def _project(self, x):
+        """``x [..., D] -> [..., H, 3d]`` (q, k, v concatenated, before the conv)."""
+        return jnp.concatenate([self.q(x), self.k(x), self.v(x)], axis=-1)
+
+    def __call__(self, x):
+        qkv = self._project(x)
+        q, k, v = self._split(qkv if self.conv is None else self.conv(qkv))
+        return self.output(self.readout(self.op(self.features(x, q, k, v)), v), x)
+
+    def init_cache(self, batch, max_len, dtype):
+        del max_len  # O(1) (or O(log T) level) state whatever the length
+        conv = (None if self.conv is None else
+                self.conv.init_state(batch, self.cfg.n_heads, 3 * self.cfg.head_dim, dtype))
+        return {"conv": conv, "state": self.op_init(batch)}
+
+    def prefill(self, x, cache):
+        """Chunked outputs over the prompt (from position 0, empty ``cache``); the final state by
+        the serial recurrence of ``op_step`` (see the module docstring)."""
+        qkv = self._project(x)
+        conv = None
+        if self.conv is not None:
+            conv = self.conv.prefill_state(qkv).astype(cache["conv"].dtype)
+            qkv = self.conv(qkv)
+        q, k, v = self._split(qkv)
+        f = self.features(x, q, k, v)
+
+        def body(carry, f_t):
+            state, t = carry
+            return (self.op_step(state, f_t, t)[1], t + 1), None
+
+        xs = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), f)
+        (state, _), _ = jax.lax.scan(body, (cache["state"], jnp.zeros((), jnp.int32)), xs)
+        y = self.output(self.readout(self.op(f), v), x)
+        return y, {"conv": conv, "state": state}
+
+    def step(self, x_t, cache, pos):
+        """One token ``x_t: [B,D]`` at position ``pos`` -> ``(y_t [B,D], cache)``."""
+        qkv = self._project(x_t)
+        conv = cache["conv"]
+        if self.conv is not None:
+            qkv, conv = self.conv.step(conv, qkv)
+        q, k, v = self._split(qkv)
+        o, state = self.op_step(cache["state"], self.features(x_t, q, k, v), pos)
+        return self.output(self.readout(o, v), x_t), {"conv": conv, "state": state}
+
+
+def op_kwargs(cfg) -> dict:
+    """The operator options every ops entry takes from the config."""
+    return {"impl": cfg.impl, "chunk_size": cfg.chunk_size}
+
+
+def level_count_ok(cfg, T: int) -> None:
+    """Log-linear mixers need ``T <= 2**(num_levels-1)``."""
+    if T > 2 ** (cfg.num_levels - 1):
+        raise ValueError(f"log-linear mixer: T={T} needs num_levels >= {int(np.ceil(np.log2(T))) + 1}, "
+                         f"config has {cfg.num_levels}")
