@@ -1,0 +1,72 @@
+"""Text corpora as token arrays: the embedded default corpus, text files or folders, and
+pre-tokenized memmaps (``.npy``, uint16 or uint32, written by ``python -m hla_jax.data.prepare``).
+"""
+
+import functools
+import pathlib
+import sysconfig
+
+import numpy as np
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_files() -> list[pathlib.Path]:
+    """The embedded default corpus: the ``*.py`` files of this Python's standard library, sorted.
+
+    Found through ``sysconfig.get_paths()["stdlib"]``; installed third-party packages are skipped.
+    Deterministic for a given Python build (another Python version gives another corpus).
+    """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py")
+                  if not _SKIP_DIRS & set(p.relative_to(root).parts[:-1]))
+
+
+def text_files(paths, pattern: str = "*.txt") -> list[pathlib.Path]:
+    """Files named by ``paths`` (a path, a comma-separated string or a list); folders are searched
+    recursively for ``pattern``, files are taken as given. Sorted within each folder.
+
+    Raises ValueError when a path does not exist or a folder holds no matching file.
+    """
+    if isinstance(paths, (str, pathlib.Path)):
+        paths = [p for p in str(paths).split(",") if p]
+    files = []
+    for path in map(pathlib.Path, paths):
+        if path.is_dir():
+            found = sorted(p for p in path.rglob(pattern) if p.is_file())
+            if not found:
+                raise ValueError(f"data.path: folder {path} holds no file matching {pattern!r}")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ValueError(f"data.path: {path} does not exist")
+    return files
+
+
+def read_bytes(files) -> np.ndarray:
+    """Concatenated bytes of ``files`` as byte tokens, uint8 ``[n]``."""
+    return np.frombuffer(b"".join(pathlib.Path(f).read_bytes() for f in files), np.uint8)
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_tokens() -> np.ndarray:
+    """Byte tokens of the embedded default corpus (cached per process; about 30 MB)."""
+    return read_bytes(stdlib_files())
+
+
+def token_dtype(vocab_size: int):
+    """Smallest memmap dtype for ``vocab_size`` ids: uint16 up to 65536, else uint32."""
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def load_tokens(path) -> np.ndarray:
+    """A pre-tokenized ``.npy`` file, memory-mapped read-only (1-D, unsigned integer ids)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"data.path: token file {path} does not exist")
+    tokens = np.load(path, mmap_mode="r")
+    if tokens.ndim != 1 or tokens.dtype.kind != "u":
+        raise ValueError(f"data.path: {path} must hold a 1-D unsigned integer array, "
+                         f"got {tokens.dtype}{list(tokens.shape)}")
+    return tokens

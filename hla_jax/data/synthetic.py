@@ -1,0 +1,95 @@
+"""Synthetic recall tasks drawn on the fly, one example per ``np.random.Generator``.
+
+Each source's ``example(rng)`` returns ``(inputs, targets, mask)``, each ``[T]``: ``mask`` (bool)
+marks the targets that count in the loss (the answers), so batches carry a loss mask.
+"""
+
+import numpy as np
+
+from hla_jax.data.tokenizer import ByteTokenizer
+
+
+class MQAR:
+    """Multi-query associative recall, as in Zoology (Arora et al. 2023) and the log-linear paper.
+
+    ``k1 v1 k2 v2 ... kN vN`` (keys from ``[1, V/2)``, values from ``[V/2, V)``, distinct), then a
+    query region of zeros where each key reappears once at an even offset drawn with
+    p(gap = i) ∝ i^(power_a − 1); the target after a query key is its value, nothing else counts.
+    """
+
+    def __init__(self, seq_len: int, vocab_size: int, num_kv_pairs: int, power_a: float = 0.01):
+        space = (seq_len - 2 * num_kv_pairs) // 2
+        if num_kv_pairs < 1 or space < num_kv_pairs:
+            raise ValueError(f"data.mqar.num_kv_pairs={num_kv_pairs} needs seq_len >= "
+                             f"{4 * num_kv_pairs}, got seq_len={seq_len}")
+        if vocab_size // 2 - 1 < num_kv_pairs:
+            raise ValueError(f"model.vocab_size={vocab_size} too small for "
+                             f"{num_kv_pairs} distinct keys")
+        if power_a <= 0:
+            raise ValueError(f"data.mqar.power_a must be positive, got {power_a}")
+        self.seq_len, self.vocab_size, self.num_kv_pairs = seq_len, vocab_size, num_kv_pairs
+        p = np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
+        self.gap_p = p / p.sum()
+
+    def example(self, rng: np.random.Generator):
+        n, half = self.num_kv_pairs, self.vocab_size // 2
+        keys = rng.choice(np.arange(1, half), n, replace=False)
+        values = rng.choice(np.arange(half, self.vocab_size), n, replace=False)
+        gaps = 2 * rng.choice(len(self.gap_p), n, replace=False, p=self.gap_p)
+        inputs = np.zeros(self.seq_len, np.int64)
+        inputs[0:2 * n:2], inputs[1:2 * n:2] = keys, values
+        inputs[2 * n + gaps] = keys
+        targets = np.zeros(self.seq_len, np.int64)
+        targets[2 * n + gaps] = values
+        mask = np.zeros(self.seq_len, bool)
+        mask[2 * n + gaps] = True
+        return inputs, targets, mask
+
+
+FILLER = (
+    b"The grass is green. ", b"The sky is blue. ", b"The sun is yellow. ", b"Here we go. ",
+    b"There and back again. ", b"The river runs to the sea. ", b"A cat sleeps on the mat. ",
+    b"The wind moves the trees. ", b"Bread is baked in the morning. ", b"Stars come out at night. ",
+)
+
+
+class NIAH:
+    """Needle in a haystack (passkey retrieval, byte-level).
+
+    Filler sentences with ``" The magic number is N. "`` at a uniform random depth, then
+    ``" What is the magic number? The magic number is N"``; only the digits of the final ``N``
+    are targets. ``N`` has ``n_digits`` digits.
+    """
+
+    QUESTION = b" What is the magic number? The magic number is "
+
+    def __init__(self, seq_len: int, n_digits: int = 5):
+        if n_digits < 1:
+            raise ValueError(f"data.niah.n_digits must be >= 1, got {n_digits}")
+        self.seq_len, self.n_digits = seq_len, n_digits
+        self.room = seq_len + 1 - len(self.QUESTION) - n_digits - len(self._needle("0" * n_digits))
+        if self.room < 0:
+            raise ValueError(f"data.seq_len={seq_len} too short for a needle and a question")
+        self.tok = ByteTokenizer()
+
+    @staticmethod
+    def _needle(number: str) -> bytes:
+        return b" The magic number is " + number.encode() + b". "
+
+    @staticmethod
+    def _filler(rng, n: int) -> bytes:
+        parts, size = [], 0
+        while size < n:
+            parts.append(FILLER[rng.integers(len(FILLER))])
+            size += len(parts[-1])
+        return b"".join(parts)[:n]
+
+    def example(self, rng: np.random.Generator):
+        number = "".join(str(d) for d in rng.integers(0, 10, self.n_digits))
+        before = int(rng.integers(0, self.room + 1))
+        text = (self._filler(rng, before) + self._needle(number)
+                + self._filler(rng, self.room - before) + self.QUESTION + number.encode())
+        seq = self.tok.encode(text).astype(np.int64)
+        mask = np.zeros(self.seq_len, bool)
+        mask[-self.n_digits:] = True
+        return seq[:-1], seq[1:], mask

@@ -1,0 +1,97 @@
+"""Metrics: JSONL always, TensorBoard event files when a writer library is importable, and the
+peak-FLOPs table behind MFU = achieved model FLOP/s ÷ (peak FLOP/s per device × devices)."""
+
+import json
+import pathlib
+import time
+
+from absl import logging
+
+# Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity), matched by substring of
+# ``jax.devices()[0].device_kind``; first match wins, so longer names come first.
+PEAK_FLOPS = (
+    ("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("A100", 312e12), ("L4", 121e12),
+    ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
+    ("TPU v4", 275e12), ("TPU v3", 123e12),
+)
+
+
+def peak_flops(device_kind: str, override: float = 0.0):
+    """Peak FLOP/s of one device: ``override`` when > 0, else the table, else None (e.g. CPU)."""
+    if override > 0:
+        return float(override)
+    return next((f for name, f in PEAK_FLOPS if name in device_kind), None)
+
+
+def _tensorboard(logdir: pathlib.Path):
+    """``scalar(tag, value, step)`` and ``flush()`` from tensorboardX, tensorboard or
+    TensorFlow, whichever imports first; None when none does."""
+    try:
+        from tensorboardX import SummaryWriter
+        writer = SummaryWriter(str(logdir))
+        return writer.add_scalar, writer.flush
+    except ImportError:
+        pass
+    try:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        writer = EventFileWriter(str(logdir))
+
+        def scalar(tag, value, step):
+            value = summary_pb2.Summary.Value(tag=tag, simple_value=value)
+            writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
+                                             summary=summary_pb2.Summary(value=[value])))
+        return scalar, writer.flush
+    except ImportError:
+        pass
+    try:
+        import tensorflow as tf
+        tf.config.set_visible_devices([], "GPU")  # keep TensorFlow off the accelerators
+        writer = tf.summary.create_file_writer(str(logdir))
+
+        def scalar(tag, value, step):
+            with writer.as_default():
+                tf.summary.scalar(tag, value, step=step)
+        return scalar, writer.flush
+    except ImportError:
+        return None
+
+
+class MetricWriter:
+    """Appends ``{"step", "split", **metrics}`` lines to ``workdir/metrics.jsonl`` and mirrors
+    the scalars to TensorBoard (``workdir/tensorboard``) when available. Only process 0 writes."""
+
+    def __init__(self, workdir, enabled: bool = True, tensorboard: bool = True):
+        self.enabled = enabled
+        self.tb = None
+        if not enabled:
+            return
+        workdir = pathlib.Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.path = workdir / "metrics.jsonl"
+        if tensorboard:
+            self.tb = _tensorboard(workdir / "tensorboard")
+            if self.tb is None:
+                logging.info("TensorBoard: no tensorboardX / tensorboard / tensorflow importable; "
+                             "writing %s only", self.path)
+
+    def write(self, step: int, split: str, metrics: dict):
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": int(step), "split": split, **metrics}) + "\n")
+        if self.tb is not None:
+            scalar, flush = self.tb
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    scalar(f"{split}/{k}", float(v), int(step))
+            flush()
+
+
+def read_metrics(workdir, split: str | None = None) -> list[dict]:
+    """The JSONL records of ``workdir`` (optionally one split), in order."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return [r for r in records if split is None or r["split"] == split]

@@ -1,0 +1,103 @@
+"""Mesh, logical-axis rules and data placement: one config runs on a CPU, a GPU or a TPU slice.
+
+Mesh axes ``(data, fsdp, sequence, tensor)``; sizes come from ``config.mesh`` with -1 = "the
+rest" of the devices. The batch is split over ``data × fsdp``; parameters follow their logical
+axis names (``nnx.get_partition_spec``) through ``rules``, e.g. ``embed -> fsdp`` (ZeRO-3 style)
+and ``heads/mlp/vocab -> tensor`` (Megatron style). ``sequence`` is reserved (size 1).
+"""
+
+import math
+
+import jax
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXES = ("data", "fsdp", "sequence", "tensor")
+BATCH_AXES = ("data", "fsdp")
+DEFAULT_RULES = (("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv", None),
+                 ("mlp", "tensor"), ("levels", None), ("conv", None))
+
+
+def maybe_initialize_distributed(mesh_cfg):
+    """``jax.distributed.initialize()`` (cluster auto-detected) when ``mesh.multihost`` is set."""
+    if mesh_cfg.multihost and not jax.distributed.is_initialized():
+        jax.distributed.initialize()
+
+
+def mesh_shape(mesh_cfg, n_devices: int) -> tuple:
+    """Axis sizes in ``AXES`` order, one -1 replaced by the remaining devices."""
+    sizes = [int(mesh_cfg[a]) for a in AXES]
+    if sizes[AXES.index("sequence")] != 1:
+        raise ValueError(f"mesh.sequence is reserved and must be 1, got {mesh_cfg.sequence}")
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh sizes must be positive with at most one -1, got "
+                         f"{dict(zip(AXES, sizes))}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n_devices % known:
+            raise ValueError(f"mesh: {n_devices} devices are not divisible by {known} "
+                             f"({dict(zip(AXES, sizes))})")
+        sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) > n_devices:
+        raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, "
+                         f"only {n_devices} present")
+    return tuple(sizes)
+
+
+def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
+    """The device mesh for ``config.mesh`` (the first prod(sizes) devices when fewer are asked)."""
+    devices = jax.devices() if devices is None else devices
+    shape = mesh_shape(mesh_cfg, len(devices))
+    if math.prod(shape) < len(devices):
+        logging.info("mesh %s uses %d of %d devices", shape, math.prod(shape), len(devices))
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES),
+                         devices=devices[:math.prod(shape)])
+
+
+def batch_size_per_shard(mesh) -> int:
+    """How many shards split the batch axis (``data × fsdp``)."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def logical_to_mesh(names, shape, mesh, rules=DEFAULT_RULES) -> P:
+    """Mesh PartitionSpec for one array: each logical name maps through ``rules``; a mesh axis that
+    does not divide its dimension, or is already used by an earlier dimension, is dropped."""
+    table, used, spec = dict(rules), set(), []
+    for name, dim in zip(tuple(names) + (None,) * (len(shape) - len(names)), shape):
+        axis = table.get(name) if name is not None else None
+        if axis is None or axis in used or dim % mesh.shape[axis]:
+            spec.append(None)
+        else:
+            used.add(axis)
+            spec.append(axis)
+    return P(*spec)
+
+
+def state_shardings(abstract_state, mesh, rules=DEFAULT_RULES):
+    """NamedShardings, same tree as ``abstract_state`` (an nnx.State of ShapeDtypeStructs)."""
+    specs = nnx.get_partition_spec(abstract_state)
+    return jax.tree.map(lambda s, x: NamedSharding(mesh, logical_to_mesh(s, x.shape, mesh, rules)),
+                        specs, abstract_state, is_leaf=lambda x: isinstance(x, P))
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """For batches ``[accum, b, T]``: rows split over ``data × fsdp``."""
+    return NamedSharding(mesh, P(None, BATCH_AXES, None))
+
+
+def global_batch(local: dict, mesh, global_rows: int) -> dict:
+    """This host's rows ``[accum, b/hosts, T]`` -> global arrays ``[accum, b, T]`` on the mesh."""
+    sharding = batch_sharding(mesh)
+    return {k: jax.make_array_from_process_local_data(
+        sharding, v, (v.shape[0], global_rows) + v.shape[2:]) for k, v in local.items()}
+
+
+def describe(mesh) -> str:
+    return " ".join(f"{a}={n}" for a, n in mesh.shape.items()) + f" ({np.prod(mesh.devices.shape)} devices)"

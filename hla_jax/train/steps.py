@@ -1,0 +1,59 @@
+"""Pure step functions on split NNX state (``nnx.split`` -> arrays -> ``nnx.merge`` inside jit).
+
+Batches are dicts ``inputs, targets`` int32 and ``mask`` float32, each ``[accum, b, T]``; the loss
+is the masked mean next-token cross-entropy in float32 whatever the compute dtype.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+def token_nll(model, batch):
+    """``(nll [b,T], correct [b,T])``: −log p(target) and argmax == target, float32."""
+    logits = model(batch["inputs"]).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+    return nll, correct
+
+
+def loss_fn(params, graphdef, rest, batch):
+    """Masked mean cross-entropy ``Σ nll·mask / Σ mask`` of one micro-batch ``[b,T]``."""
+    nll, _ = token_nll(nnx.merge(graphdef, params, rest), batch)
+    mask = batch["mask"]
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation):
+    """``(params, opt_state, rest, batch) -> (params, opt_state, metrics)``.
+
+    Scans over the ``accum`` micro-batches; with ``optax.MultiSteps`` the parameters change only
+    after the last one (mean gradient). ``metrics``: mean loss and mean micro-batch grad norm.
+    """
+    def train_step(params, opt_state, rest, batch):
+        def micro(carry, mb):
+            params, opt_state = carry
+            loss, grads = jax.value_and_grad(loss_fn)(params, graphdef, rest, mb)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), (loss, optax.tree.norm(grads))
+
+        (params, opt_state), (loss, gnorm) = jax.lax.scan(micro, (params, opt_state), batch)
+        return params, opt_state, {"loss": jnp.mean(loss), "grad_norm": jnp.mean(gnorm)}
+    return train_step
+
+
+def make_eval_step(graphdef):
+    """``(params, rest, batch) -> sums``: masked nll, masked tokens, correct masked tokens, and
+    rows whose masked targets are all correct (e.g. a whole MQAR example / NIAH number)."""
+    def eval_step(params, rest, batch):
+        batch = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
+        nll, correct = token_nll(nnx.merge(graphdef, params, rest), batch)
+        mask = batch["mask"]
+        has_target = jnp.sum(mask, axis=-1) > 0
+        row_ok = jnp.all((correct > 0) | (mask == 0), axis=-1) & has_target
+        return {"nll": jnp.sum(nll * mask), "tokens": jnp.sum(mask),
+                "correct": jnp.sum(correct * mask), "rows_correct": jnp.sum(row_ok),
+                "rows": jnp.sum(has_target)}
+    return eval_step

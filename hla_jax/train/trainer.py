@@ -1,0 +1,202 @@
+"""The training loop, readable top to bottom: ``train_and_evaluate(config, workdir)``.
+
+    from hla_jax.train import train_and_evaluate
+    from configs import lm
+    train_and_evaluate(lm.get_config("mixer=hla2,size=tiny"), "/tmp/run")
+
+Resumes from the newest checkpoint in ``workdir``; stops with FloatingPointError, without saving,
+when the loss or gradient norm stops being finite (the last good checkpoint stays).
+"""
+
+import json
+import math
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+from absl import logging
+from flax import nnx
+
+from hla_jax import data as data_lib
+from hla_jax.nn import LM, flops_per_token, generate, param_count
+from hla_jax.train import sharding
+from hla_jax.train.checkpoint import Checkpointer, abstract_with_shardings
+from hla_jax.train.config import check_config
+from hla_jax.train.metrics import MetricWriter, peak_flops
+from hla_jax.train.optim import make_optimizer, make_schedule
+from hla_jax.train.steps import make_eval_step, make_train_step
+
+
+def init_state(model_cfg, seed, mesh, rules, tx):
+    """Sharded ``(graphdef, params, rest, opt_state)`` and their shardings, built inside jit so
+    parameters are created directly in place (never fully on one device)."""
+    def split(model):
+        return nnx.split(model, nnx.Param, ...)
+
+    graphdef, abs_params, abs_rest = split(nnx.eval_shape(lambda: LM(model_cfg, rngs=nnx.Rngs(seed))))
+    param_sh = sharding.state_shardings(abs_params, mesh, rules)
+    rest_sh = jax.tree.map(lambda _: sharding.replicated(mesh), abs_rest)
+    params, rest = jax.jit(lambda: split(LM(model_cfg, rngs=nnx.Rngs(seed)))[1:],
+                           out_shardings=(param_sh, rest_sh))()
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abs_params), param_sh,
+                                   transform_non_params=lambda _: sharding.replicated(mesh))
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    return graphdef, params, rest, opt_state, {"params": param_sh, "opt_state": opt_sh, "rest": rest_sh}
+
+
+class Throughput:
+    """Tokens/s and MFU over the steps since the last ``reset`` (compile/eval/save excluded)."""
+
+    def __init__(self, tokens_per_step, flops_per_tok, peak_total):
+        self.tokens_per_step, self.flops_per_tok, self.peak_total = tokens_per_step, flops_per_tok, peak_total
+        self.reset()
+
+    def reset(self):
+        self.start, self.steps = time.perf_counter(), 0
+
+    def read(self) -> dict:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        tok_s = self.steps * self.tokens_per_step / elapsed
+        mfu = tok_s * self.flops_per_tok / self.peak_total if self.peak_total else None
+        return {"tokens_per_s": tok_s, "mfu": mfu}
+
+
+def _bar_postfix(m: dict) -> dict:
+    mfu = "n/a" if m.get("mfu") is None else f"{100 * m['mfu']:.1f}%"
+    return {"loss": f"{m['loss']:.4f}", "tok/s": f"{m['tokens_per_s']:.0f}", "mfu": mfu}
+
+
+def evaluate(eval_step, params, rest, source, c, mesh, proc) -> dict:
+    """Mean masked loss, token accuracy and whole-row accuracy over ``train.eval_steps`` fixed
+    batches of the eval split."""
+    micro = c.data.batch_size // c.optim.grad_accum
+    it = data_lib.DataIterator(source, micro, c.data.seed, split=data_lib.EVAL, **proc)
+    sums = None
+    for _ in range(c.train.eval_steps):
+        out = eval_step(params, rest, sharding.global_batch(next(it), mesh, micro))
+        sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
+    sums = jax.device_get(sums)
+    tokens = max(float(sums["tokens"]), 1.0)
+    return {"loss": float(sums["nll"]) / tokens, "accuracy": float(sums["correct"]) / tokens,
+            "row_accuracy": float(sums["rows_correct"]) / max(float(sums["rows"]), 1.0)}
+
+
+def sample_text(graphdef, params, rest, source, c, step) -> dict:
+    """``{"prompt", "continuation"}``: bytes sampled after a prompt cut from the first eval
+    example (text/tokens data only)."""
+    first = data_lib.make_batch(source, c.data.seed, data_lib.EVAL, 0, [0])["inputs"]
+    prompt = first[:, :c.train.sample_prompt]
+    model = nnx.merge(graphdef, params, rest)
+    out = generate(model, prompt, c.train.sample_tokens, temperature=c.train.sample_temperature,
+                   rng=jax.random.key(step))
+    tok = data_lib.ByteTokenizer()
+    return {"prompt": tok.decode(prompt[0]), "continuation": tok.decode(np.asarray(out[0, prompt.shape[1]:]))}
+
+
+def train_and_evaluate(config, workdir) -> dict:
+    """Train ``config`` (see ``hla_jax.train.config.base_config``), writing checkpoints,
+    ``metrics.jsonl`` and ``config.json`` under ``workdir``. Returns the last train/eval metrics."""
+    c, workdir = config, pathlib.Path(workdir).absolute()
+    sharding.maybe_initialize_distributed(c.mesh)
+    mesh = sharding.make_mesh(c.mesh)
+    proc = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+    model_cfg = check_config(c, sharding.batch_size_per_shard(mesh), proc["process_count"])
+    rules = tuple(tuple(r) for r in c.mesh.rules)
+    train_src, eval_src = data_lib.make_sources(c.data, model_cfg.vocab_size)
+    tx = make_optimizer(c.optim, c.train.num_steps)
+    schedule = make_schedule(c.optim, c.train.num_steps)
+    lead = proc["process_index"] == 0
+    writer = MetricWriter(workdir, enabled=lead, tensorboard=c.train.tensorboard)
+    if lead:
+        (workdir / "config.json").write_text(c.to_json_best_effort(indent=2))
+
+    graphdef, params, rest, opt_state, sh = init_state(model_cfg, c.seed, mesh, rules, tx)
+    ckpt = Checkpointer(workdir / "checkpoints", c.train.keep_checkpoints, c.train.async_checkpoint)
+    start, position = 0, 0
+    if ckpt.latest_step() is not None:
+        abstract = abstract_with_shardings({"params": params, "opt_state": opt_state},
+                                           {"params": sh["params"], "opt_state": sh["opt_state"]})
+        del params, opt_state
+        state, meta = ckpt.restore(ckpt.latest_step(), abstract)
+        params, opt_state = state["params"], state["opt_state"]
+        start, position = meta["step"], meta["data_position"]
+        logging.info("resumed from %s at step %d", ckpt.directory / str(start), start)
+    train_it = data_lib.DataIterator(train_src, c.data.batch_size, c.data.seed,
+                                     accum=c.optim.grad_accum, position=position, **proc)
+
+    batch_sh = sharding.batch_sharding(mesh)
+    repl = sharding.replicated(mesh)
+    train_step = jax.jit(make_train_step(graphdef, tx), donate_argnums=(0, 1),
+                         in_shardings=(sh["params"], sh["opt_state"], sh["rest"], batch_sh),
+                         out_shardings=(sh["params"], sh["opt_state"], repl))
+    eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(sh["params"], sh["rest"], batch_sh),
+                        out_shardings=repl)
+
+    T, n_dev = c.data.seq_len, mesh.devices.size
+    peak = peak_flops(jax.devices()[0].device_kind, c.train.peak_flops)
+    fpt = flops_per_token(model_cfg, T)
+    meter = Throughput(c.data.batch_size * T, fpt, peak and peak * n_dev)
+    logging.info("model %s: %d params, %.3g train FLOPs/token at T=%d; mesh %s; %d tokens/step",
+                 "+".join(model_cfg.mixer_pattern), param_count(nnx.merge(graphdef, params, rest)),
+                 fpt, T, sharding.describe(mesh), c.data.batch_size * T)
+    texts = c.data.kind in ("text", "tokens") and model_cfg.vocab_size == 256 and c.train.sample_tokens > 0
+
+    bar = tqdm.tqdm(total=c.train.num_steps, initial=start, disable=not (lead and c.train.progress_bar),
+                    dynamic_ncols=True, desc="train")
+    pending, last = [], {"step": start}
+
+    def flush(step):
+        """Fetch the metrics of the steps since the last flush; stop on a non-finite value."""
+        values = jax.device_get([m for _, m in pending])
+        for (s, _), m in zip(pending, values):
+            if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+                ckpt.wait()
+                bar.close()
+                raise FloatingPointError(
+                    f"non-finite loss {float(m['loss'])} / grad norm {float(m['grad_norm'])} at "
+                    f"step {s}: stopped without saving; the last good checkpoint (step "
+                    f"{ckpt.latest_step()}) is kept in {ckpt.directory}. Lower "
+                    f"optim.learning_rate, enable optim.clip_norm or check the data.")
+        out = {"loss": float(np.mean([m["loss"] for m in values])),
+               "grad_norm": float(np.mean([m["grad_norm"] for m in values])),
+               "learning_rate": float(schedule(step - 1)), **meter.read()}
+        pending.clear()
+        writer.write(step, "train", out)
+        bar.set_postfix(_bar_postfix(out))
+        return out
+
+    for step in range(start + 1, c.train.num_steps + 1):
+        batch = sharding.global_batch(next(train_it), mesh, c.data.batch_size // c.optim.grad_accum)
+        params, opt_state, m = train_step(params, opt_state, rest, batch)
+        pending.append((step, m))
+        meter.steps += 1
+        bar.update(1)
+        if step == start + 1:  # exclude compilation from throughput
+            jax.block_until_ready(m)
+            meter.reset()
+        final = step == c.train.num_steps
+        periodic_eval = c.train.eval_every and step % c.train.eval_every == 0
+        do_eval = c.train.eval_steps > 0 and (final or periodic_eval)
+        do_save = final or (c.train.checkpoint_every and step % c.train.checkpoint_every == 0)
+        if step % c.train.log_every == 0 or do_eval or do_save:
+            last = {"step": step, "train": flush(step)}
+        if do_eval:
+            last["eval"] = evaluate(eval_step, params, rest, eval_src, c, mesh, proc)
+            writer.write(step, "eval", last["eval"])
+            logging.info("step %d eval %s", step, json.dumps(last["eval"]))
+            if texts:
+                last["sample"] = sample_text(graphdef, params, rest, eval_src, c, step)
+                writer.write(step, "sample", last["sample"])
+                logging.info("step %d sample: %r -> %r", step, *last["sample"].values())
+        if do_save:
+            ckpt.save(step, {"params": params, "opt_state": opt_state}, train_it.position)
+        if do_eval or do_save:
+            meter.reset()
+    bar.close()
+    ckpt.wait()
+    ckpt.close()
+    return last

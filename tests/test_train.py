@@ -1,0 +1,230 @@
+"""hla_jax.train: the tiny config learns, resume reproduces an uninterrupted run, a sharded mesh
+matches one device, bad configs fail before compiling, a NaN stops the run and keeps the last
+good checkpoint."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from hla_jax import data
+from hla_jax.train import (
+    MetricWriter,
+    check_config,
+    make_schedule,
+    peak_flops,
+    read_metrics,
+    train_and_evaluate,
+)
+from hla_jax.train import trainer as trainer_lib
+from hla_jax.train.optim import decay_mask
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """A persistent compilation cache for this module: repeated runs of one config (resume)
+    compile once. Restored afterwards."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {n: getattr(jax.config, n) for n in names}
+    for name, value in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0, 0)):
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+def load_config(name: str, arg: str):
+    spec = importlib.util.spec_from_file_location(f"configs_{name}", ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def small(mixer="softmax", n_layers=1, **train):
+    """The tiny LM config shrunk for tests (d=32, T=64, batch 4), quiet, log every step."""
+    c = load_config("lm", f"mixer={mixer},size=tiny")
+    c.model.update(d_model=32, n_heads=2, n_layers=n_layers)
+    c.data.update(seq_len=64, batch_size=4)
+    c.optim.update(warmup_steps=5)
+    c.train.update(num_steps=30, log_every=1, eval_every=0, eval_steps=0, checkpoint_every=0,
+                   sample_tokens=0, progress_bar=False, tensorboard=False, async_checkpoint=False)
+    c.train.update(train)
+    return c
+
+
+def losses(workdir):
+    return np.array([r["loss"] for r in read_metrics(workdir, "train")])
+
+
+def test_tiny_config_trains_and_loss_falls(tmp_path):
+    c = small("hla2", n_layers=2, eval_steps=2, sample_tokens=8, sample_prompt=8)
+    out = train_and_evaluate(c, tmp_path)
+    loss = losses(tmp_path)
+    assert len(loss) == 30 and np.all(np.isfinite(loss))
+    assert loss[-5:].mean() < loss[:5].mean() - 1.0, loss
+    assert out["step"] == 30 and np.isfinite(out["eval"]["loss"]) and out["eval"]["loss"] < 4.5
+    assert len(out["sample"]["continuation"]) > 0
+    assert (tmp_path / "checkpoints" / "30").is_dir() and (tmp_path / "config.json").is_file()
+    assert [r["split"] for r in read_metrics(tmp_path)][-2:] == ["eval", "sample"]
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    def run(workdir, steps):
+        c = small(num_steps=steps, checkpoint_every=10)
+        c.optim.decay_steps = 40  # the same schedule whether or not the run stops at 20
+        train_and_evaluate(c, workdir)
+
+    run(tmp_path / "a", 20)
+    run(tmp_path / "a", 40)
+    run(tmp_path / "b", 40)
+    resumed, straight = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(resumed) == len(straight) == 40
+    np.testing.assert_allclose(resumed, straight, rtol=0, atol=1e-6)
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["30", "40"]
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    """grad_accum=2 (optax.MultiSteps over two micro-batches of 2) = one batch of 4."""
+    runs = {}
+    for accum in (1, 2):
+        c = small(num_steps=3)
+        c.optim.grad_accum = accum
+        train_and_evaluate(c, tmp_path / str(accum))
+        runs[accum] = losses(tmp_path / str(accum))
+    np.testing.assert_allclose(runs[2], runs[1], rtol=0, atol=1e-5)
+    assert runs[1][2] != runs[1][0]  # parameters moved
+
+
+def test_schedule_and_decay_mask():
+    c = small()
+    c.optim.update(learning_rate=1.0, warmup_steps=10, decay_steps=110, min_lr_ratio=0.1)
+    lr = make_schedule(c.optim, 1000)
+    np.testing.assert_allclose([lr(0), lr(5), lr(10), lr(60), lr(110), lr(500)],
+                               [0.0, 0.5, 1.0, 0.55, 0.1, 0.1], atol=1e-6)
+    mask = decay_mask({"w": np.zeros((2, 3)), "scale": np.zeros(3)})
+    assert mask == {"w": True, "scale": False}
+
+
+def test_peak_flops_and_jsonl(tmp_path):
+    assert peak_flops("NVIDIA H200") == 989e12 and peak_flops("TPU v5 lite") == 197e12
+    assert peak_flops("cpu") is None and peak_flops("cpu", 1e12) == 1e12
+    writer = MetricWriter(tmp_path, tensorboard=False)
+    writer.write(3, "train", {"loss": 1.5})
+    writer.write(3, "eval", {"loss": 1.0})
+    assert read_metrics(tmp_path, "eval") == [{"step": 3, "split": "eval", "loss": 1.0}]
+
+
+MESH_SCRIPT = """
+import json, sys
+import jax
+sys.path.insert(0, {tests!r})
+from test_train import small, losses
+from hla_jax.train import check_config, make_optimizer, sharding, train_and_evaluate
+from hla_jax.train.trainer import init_state
+assert jax.device_count() == 8
+c = small()
+c.mesh.update(data=2, fsdp=4)
+mesh = sharding.make_mesh(c.mesh)
+model_cfg = check_config(c)
+*_, sh = init_state(model_cfg, 0, mesh, sharding.DEFAULT_RULES, make_optimizer(c.optim, 8))
+assert any("fsdp" in s.spec for s in jax.tree.leaves(sh["params"]))
+assert any("fsdp" in s.spec for s in jax.tree.leaves(sh["opt_state"]))
+out = {{}}
+for name, mesh in [("one", dict(data=1, fsdp=1)), ("sharded", dict(data=2, fsdp=4))]:
+    c = small(num_steps=8)
+    c.data.batch_size = 8
+    c.mesh.update(mesh)
+    train_and_evaluate(c, {tmp!r} + "/" + name)
+    out[name] = losses({tmp!r} + "/" + name).tolist()
+print("LOSSES" + json.dumps(out))
+"""
+
+
+def test_data_fsdp_mesh_matches_one_device(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    script = MESH_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("LOSSES", 1)[1])
+    assert len(out["one"]) == 8
+    np.testing.assert_allclose(out["sharded"], out["one"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("model.mixer_pattern", ("hla2", "nope"), "unknown mixer"),
+    ("optim.learning_rate", -1e-3, "learning_rate must be positive"),
+    ("optim.grad_accum", 3, "batch_size=4 must be divisible"),
+    ("data.path", "/nonexistent/corpus", "does not exist"),
+    ("data.kind", "video", "data.kind"),
+    ("mesh.sequence", 2, "mesh.sequence is reserved"),
+    ("mesh.data", 2, "needs 2 devices"),
+])
+def test_bad_config_fails_before_compiling(tmp_path, monkeypatch, field, value, match):
+    def no_init(*args, **kwargs):
+        raise AssertionError("reached model initialisation")
+
+    monkeypatch.setattr(trainer_lib, "init_state", no_init)
+    c = small()
+    section, key = field.split(".")
+    c[section][key] = value
+    with pytest.raises(ValueError, match=match):
+        train_and_evaluate(c, tmp_path)
+
+
+def test_batch_must_divide_over_the_data_axis():
+    with pytest.raises(ValueError, match="data.batch_size=4 must be divisible"):
+        check_config(small(), batch_shards=8)
+    with pytest.raises(ValueError, match="unknown mixer"):
+        load_config("lm", "mixer=transformer")
+    with pytest.raises(ValueError, match="unknown config argument"):
+        load_config("mqar", "mixer=hla2,kv=3")
+
+
+def first_bad_step(path, seq_len=64, batch=4, vocab=256):
+    """The first 1-based step whose batch holds an out-of-vocabulary id."""
+    c = small()
+    c.data.update(kind="tokens", path=str(path), seq_len=seq_len, batch_size=batch, eval_fraction=0.1)
+    it = data.DataIterator(data.make_sources(c.data, vocab)[0], batch, c.data.seed)
+    return next(s for s in range(1, 1000) if np.any(next(it)["targets"] >= vocab))
+
+
+def test_nan_stops_cli_run_and_keeps_last_good_checkpoint(tmp_path):
+    path = tmp_path / "bad.npy"
+    for bad in range(100, 1800, 37):  # an id outside the vocabulary -> that window's loss is NaN
+        tokens = np.arange(2000, dtype=np.uint16) % 256
+        tokens[bad] = 300
+        np.save(path, tokens)
+        fail = first_bad_step(path)
+        if 3 <= fail <= 50:
+            break
+    cmd = [sys.executable, "-m", "hla_jax.main", "--config=configs/lm.py:mixer=softmax,size=tiny",
+           f"--workdir={tmp_path / 'run'}", "--config.model.d_model=32",
+           "--config.data.kind=tokens", f"--config.data.path={path}", "--config.data.seq_len=64",
+           "--config.data.batch_size=4", "--config.data.eval_fraction=0.1",
+           "--config.train.log_every=1", "--config.train.checkpoint_every=1",
+           "--config.train.eval_steps=0", "--config.train.progress_bar=False",
+           "--config.train.num_steps=60"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"non-finite loss nan / grad norm nan at step {fail}" in proc.stderr
+    assert f"last good checkpoint (step {fail - 1}) is kept" in proc.stderr
+    records = read_metrics(tmp_path / "run", "train")
+    assert [r["step"] for r in records] == list(range(1, fail))
+    assert all(np.isfinite(r["loss"]) for r in records)
+    saved = [int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()]
+    assert max(saved) == fail - 1
