@@ -1,0 +1,190 @@
+"""Benchmark the HLA2 Pallas kernel against our XLA chunked path, cuDNN causal attention and the
+first-order Mosaic GPU kernels of the ``jax-linear-attention`` wheel (``jla``), on one GPU.
+
+    python experiments/bench_kernels.py [--T 2048,8192,32768,65536] [--tokens 65536] [--out DIR]
+    python experiments/bench_kernels.py --tune 8192 --T 8192,65536   # pick settings at one T first
+
+bf16, H=16, d=dv=128, B·T = ``--tokens``; forward and forward+backward (gradient of
+``sum(o·w)`` w.r.t. q, k, v) median wall times (ms) over ``--repeats`` runs after a warm-up;
+plus the achieved TFLOP/s of the kernel's matmul work (``kernel_flops``) next to a bf16 8192³
+matmul timed in the same run.  Writes ``kernels_bench.json`` and ``kernels_bench.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hla_jax import ops
+from hla_jax.kernels import hla2_pallas
+
+H, D = 16, 128
+
+
+def timeit(fn, *args, repeats=10):
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+def kernel_flops(B, T, c=64, d=D, dv=D, bv=64, bv_bwd=64):
+    """Matmul FLOPs the HLA2 kernels execute (value tiles repeat the ``S`` work):
+    forward, and forward+backward (= forward + recompute forward + reverse kernel)."""
+    heads_chunks = B * H * (-(-T // c))
+
+    def fwd(bv):
+        return 2 * (2 * c * c * d + 2 * c * d * d + c ** 3 + 3 * c * d * bv + 2 * c * c * bv) * (dv // bv)
+
+    def bwd(bv):
+        return 2 * (6 * c * c * d + 5 * c * d * d + 3 * c ** 3 + 7 * c * d * bv + 5 * c * c * bv) * (dv // bv)
+
+    f = heads_chunks * fwd(bv)
+    return f, 2 * f + heads_chunks * bwd(bv_bwd), heads_chunks * fwd(dv)
+
+
+def inputs(B, T, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.normal(size=(B, T, H, D)) / np.sqrt(D), jnp.bfloat16) for _ in range(3))
+    k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(jnp.bfloat16)
+    g = jnp.asarray(-rng.uniform(0.0, 0.1, (B, T, H)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.bfloat16)
+    return q, k, v, g, beta, w
+
+
+def fwd_bwd(fn):
+    """``jit(grad)`` of ``sum(fn(q, k, v, g, beta) * w)`` w.r.t. q, k, v (gates are arguments:
+    a closed-over gate would be a constant that ``check_gate`` tries to inspect)."""
+    loss = lambda q, k, v, g, beta, w: jnp.sum(fn(q, k, v, g, beta).astype(jnp.float32) * w)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def methods(kw):
+    out = {
+        "hla2_pallas": lambda q, k, v, g, beta: hla2_pallas(q, k, v, g, **kw),
+        "hla2_xla_chunked": lambda q, k, v, g, beta: ops.hla2(q, k, v, g, impl="chunked"),
+        "cudnn_causal": lambda q, k, v, g, beta: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn"),
+    }
+    try:
+        from jla.ops import linear_attention
+        out["jla_gated_deltanet"] = lambda q, k, v, g, beta: linear_attention(
+            "gated_deltanet", q, k, v, g=g, beta=beta, impl="mosaic_gpu")[0]
+        out["jla_simple_gla"] = lambda q, k, v, g, beta: linear_attention(
+            "simple_gla", q, k, v, g=g, impl="mosaic_gpu")[0]
+    except ImportError as e:
+        print("jla not importable:", e)
+    return out
+
+
+def matmul_tflops():
+    a = jnp.asarray(np.random.default_rng(1).normal(size=(8192, 8192)), jnp.bfloat16)
+    ms = timeit(jax.jit(lambda x, y: x @ y), a, a)
+    return 2 * 8192 ** 3 / ms / 1e9
+
+
+def tune(T, tokens, repeats):
+    """Time a few kernel settings at one ``T``; return the fastest forward+backward's."""
+    B = tokens // T
+    args = inputs(B, T)
+    best = (float("inf"), None)
+    for bv, bvb, nw, nwb in [(64, 64, 8, 8), (64, 32, 8, 4), (64, 32, 8, 8), (128, 32, 8, 4)]:
+        kw = dict(block_v=bv, block_v_bwd=bvb, num_warps=nw, num_warps_bwd=nwb)
+        fn = lambda q, k, v, g, beta: hla2_pallas(q, k, v, g, **kw)
+        try:
+            t0 = time.perf_counter()
+            f = timeit(jax.jit(fn), *args[:5], repeats=repeats)
+            fb = timeit(fwd_bwd(fn), *args, repeats=repeats)
+            print(f"(with compiles {time.perf_counter() - t0:.0f} s)", end=" ")
+            print(f"tune T={T} {kw}: fwd {f:.2f} ms  fwd+bwd {fb:.2f} ms", flush=True)
+            best = min(best, (fb, kw), key=lambda x: x[0])
+        except Exception as e:
+            print(f"tune T={T} {kw}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return best[1]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--T", default="2048,8192,32768,65536")
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--tune", type=int, default=0, help="first pick kernel settings at this T")
+    p.add_argument("--skip", default="", help="comma-separated methods to leave out")
+    p.add_argument("--block_v", type=int, default=64)
+    p.add_argument("--block_v_bwd", type=int, default=64)
+    p.add_argument("--num_warps", type=int, default=8)
+    p.add_argument("--num_warps_bwd", type=int, default=8)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    a = p.parse_args()
+    kw = dict(block_v=a.block_v, block_v_bwd=a.block_v_bwd, num_warps=a.num_warps,
+              num_warps_bwd=a.num_warps_bwd)
+    if a.tune:
+        kw = tune(a.tune, a.tokens, a.repeats) or kw
+    mm = matmul_tflops()
+    print(f"bf16 matmul 8192^3: {mm:.0f} TFLOP/s", flush=True)
+    rows = []
+    for T in (int(t) for t in a.T.split(",")):
+        B = a.tokens // T
+        args = inputs(B, T)
+        for name, fn in methods(kw).items():
+            if name in a.skip.split(","):
+                continue
+            row = dict(method=name, T=T, B=B)
+            try:
+                row["fwd_ms"] = timeit(jax.jit(fn), *args[:5], repeats=a.repeats)
+                row["fwd_bwd_ms"] = timeit(fwd_bwd(fn), *args, repeats=a.repeats)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            if name == "hla2_pallas" and "fwd_ms" in row:
+                f, fb, useful = kernel_flops(B, T, bv=kw["block_v"], bv_bwd=kw["block_v_bwd"])
+                row["fwd_tflops"] = f / row["fwd_ms"] / 1e9
+                row["fwd_bwd_tflops"] = fb / row["fwd_bwd_ms"] / 1e9
+                row["fwd_tflops_useful"] = useful / row["fwd_ms"] / 1e9
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, H=H, d=D, dv=D,
+               tokens=a.tokens, dtype="bfloat16", matmul_tflops=mm, kernel_settings=kw, rows=rows)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "kernels_bench.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    md = table(res)
+    with open(os.path.join(a.out, "kernels_bench.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+def table(res):
+    """Markdown: one row per method, ``fwd / fwd+bwd`` ms per T, then the kernel's rates."""
+    Ts = sorted({r["T"] for r in res["rows"]})
+    names = list(dict.fromkeys(r["method"] for r in res["rows"]))
+    cell = {(r["method"], r["T"]): r for r in res["rows"]}
+    lines = [f"{res['device']}, jax {res['jax']}, bf16, H={res['H']}, d=dv={res['d']}, "
+             f"B·T={res['tokens']}; median ms, fwd / fwd+bwd; bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s",
+             "", "| method | " + " | ".join(f"T={T}" for T in Ts) + " |",
+             "|---" * (len(Ts) + 1) + "|"]
+    for n in names:
+        cs = []
+        for T in Ts:
+            r = cell.get((n, T), {})
+            cs.append(f"{r['fwd_ms']:.2f} / {r['fwd_bwd_ms']:.2f}" if "fwd_bwd_ms" in r else "–")
+        lines.append(f"| {n} | " + " | ".join(cs) + " |")
+    for n in (n for n in names if n.startswith("hla2_pallas")):
+        for key in ("fwd_tflops", "fwd_bwd_tflops"):
+            cs = [f"{cell[(n, T)][key]:.0f}" if key in cell.get((n, T), {}) else "–" for T in Ts]
+            lines.append(f"| {n} {key.replace('_tflops', '')} TFLOP/s | " + " | ".join(cs) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Training throughput of ~150M-parameter byte LMs at long context, one mixer per process.
+
+    python experiments/train_throughput.py                          # the H200 run of the README
+    python experiments/train_throughput.py --mixers softmax,hla2 --seq_len 8192 --steps 100
+
+Each mixer trains ``--steps`` steps of ``configs/lm.py`` (d_model 1024, 12 layers, 8 heads of
+128, bf16 compute, float32 parameters and optimizer state) on the embedded corpus, in its own
+process (so peak memory is per mixer). Recorded: tokens/s and MFU from the trainer's meter
+(compilation excluded; MFU from ``hla_jax.nn.flops_per_token`` against the bf16 dense peak),
+peak device memory, final loss. Results: ``experiments/results/train_throughput_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MIXERS = "softmax,hla2,ahla,loglinear_mamba2,loglinear_gated_deltanet"
+
+
+def run_one(a) -> dict:
+    """Train one mixer in this process and return its measurements."""
+    import jax
+
+    sys.path.insert(0, ROOT)
+    from flax import nnx
+
+    from configs import lm
+    from hla_jax.nn import LM, ModelConfig, param_count
+    from hla_jax.train.trainer import train_and_evaluate
+
+    c = lm.get_config(f"mixer={a.one},size=small")
+    c.model.update(d_model=a.d_model, n_layers=a.layers, n_heads=a.d_model // 128,
+                   max_seq_len=max(a.seq_len, 2048))
+    c.data.update(seq_len=a.seq_len, batch_size=a.batch)
+    c.optim.update(warmup_steps=10)
+    c.train.update(num_steps=a.steps, log_every=a.steps // 2, eval_every=0, eval_steps=0,
+                   sample_tokens=0, checkpoint_every=0, async_checkpoint=False, progress_bar=False,
+                   tensorboard=False)
+    with tempfile.TemporaryDirectory() as workdir:
+        t0 = time.perf_counter()
+        out = train_and_evaluate(c, workdir)
+        wall = time.perf_counter() - t0
+    stats = jax.devices()[0].memory_stats() or {}
+    cfg = ModelConfig.from_dict(c.model.to_dict())
+    params = param_count(nnx.eval_shape(lambda: LM(cfg, rngs=nnx.Rngs(0))))
+    return {"mixer": a.one, "seq_len": a.seq_len, "batch": a.batch, "steps": a.steps,
+            "d_model": a.d_model, "layers": a.layers, "params": params,
+            "tokens_per_s": out["train"]["tokens_per_s"], "mfu": out["train"]["mfu"],
+            "final_loss": out["train"]["loss"], "peak_bytes": stats.get("peak_bytes_in_use"),
+            "wall_s": wall, "device": jax.devices()[0].device_kind}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mixers", default=DEFAULT_MIXERS)
+    p.add_argument("--seq_len", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--d_model", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per mixer")
+    p.add_argument("--one", default="", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.one:
+        print("RESULT " + json.dumps(run_one(a)), flush=True)
+        return
+    rows = []
+    for mixer in a.mixers.split(","):
+        cmd = [sys.executable, __file__, "--one", mixer] + [
+            f"--{k}={getattr(a, k)}" for k in ("seq_len", "batch", "steps", "d_model", "layers")]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, cwd=ROOT)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            row = json.loads(lines[-1][7:]) if lines else {
+                "mixer": mixer, "error": proc.stderr.strip().splitlines()[-1:] or ["no output"]}
+        except subprocess.TimeoutExpired:
+            row = {"mixer": mixer, "error": f"timed out after {a.timeout:.0f} s"}
+        row.setdefault("wall_s", time.perf_counter() - t0)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    device = next((r["device"] for r in rows if "device" in r), "unknown").replace(" ", "_")
+    path = os.path.join(RESULTS, f"train_throughput_{device}.json")
+    with open(path, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
+    print(f"\n| mixer | params | tokens/s | MFU | peak GiB | final loss |\n|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['mixer']} | – | – | – | – | {r['error']} |")
+            continue
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
+        print(f"| {r['mixer']} | {r['params'] or 'n/a'} | {r['tokens_per_s']:.0f} | {mfu} | {peak} | "
+              f"{r['final_loss']:.3f} |")
+    print(f"written {path}")
+
+
+if __name__ == "__main__":
+    main()

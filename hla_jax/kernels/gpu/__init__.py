@@ -1,0 +1,1 @@
+"""Pallas kernels lowered through Triton for NVIDIA GPUs."""

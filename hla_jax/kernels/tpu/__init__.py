@@ -1,0 +1,1 @@
+"""Pallas kernels for TPU (Mosaic); tested in interpret mode only, no TPU was available."""
