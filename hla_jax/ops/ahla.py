@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import reference
+from hla_jax.ops import reference, sequence
 from hla_jax.ops.common import (
     cast_inputs,
     causal_mask,
@@ -31,7 +31,6 @@ from hla_jax.ops.common import (
     decay_matrix,
     ein,
     empty_segment,
-    exclusive_scan,
     from_chunks,
     gate_or_zeros,
     mm,
@@ -141,14 +140,15 @@ def chunk_summaries(Q, K, V, g, Gam, WgV) -> Summary:
     return Summary(jnp.exp(jnp.sum(g, -1)), mm(Kg, V), mm(tr(K), Q), mm(Kg, WgV))
 
 
-@functools.partial(jax.jit, static_argnames=("normalize", "chunk_size"))
-def ahla_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64):
+@functools.partial(jax.jit, static_argnames=("normalize", "chunk_size", "seq_axis"))
+def ahla_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, seq_axis=None):
     """Chunked form (SPEC §2): per chunk, with the prefix ``(P0, E0)`` of earlier chunks,
 
         O = diag(ρ) Q E0 + diag(ρ) A_L (Q P0) + (W_g W_g) V,    A_L = L ∘ QKᵀ,  W_g = Γ ∘ QKᵀ
 
     with local ``ρ_τ = exp(g_1+…+g_τ)`` and local ``Γ``.  Prefixes come from
-    ``exclusive_scan(combine, ·)`` over ``chunk_summaries``.  Memory: O(T·c) plus one summary per
+    ``exclusive_scan(combine, ·)`` over ``chunk_summaries``, preceded by the earlier shards' total
+    under ``seq_axis`` (``sequence.chunk_prefixes``).  Memory: O(T·c) plus one summary per
     chunk; T is padded to a multiple of the chunk internally.
     """
     B, T, H, _, _ = check_qkv(q, k, v, name="ahla")
@@ -161,7 +161,7 @@ def ahla_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64):
     Wg = Gam * A
     WgV = mm(Wg, V)
     own = chunk_summaries(Q, K, V, gc, Gam, WgV)
-    p = exclusive_scan(combine, empty_segment(own, 2), own, axis=2)  # prefix before each chunk
+    p = sequence.chunk_prefixes(combine, empty_segment(own, 2), own, 2, seq_axis)
     rho = jnp.exp(jnp.cumsum(gc, -1))[..., None]
     AL = causal_mask(c, A.dtype) * A
     O = rho * (mm(Q, p.E) + mm(AL, mm(Q, p.P))) + mm(Wg, WgV)
@@ -169,15 +169,18 @@ def ahla_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64):
     return ratio_last_column(O, eps) if normalize else O
 
 
-def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64):
+def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64,
+         seq_axis=None):
     """Asymmetric second-order HLA, ``[B,T,H,dv]`` in the state dtype (float32, float64 for
     float64 inputs).
 
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
     ``None``.  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
-    "recurrent" | "scan" | "chunked" | "auto" (= "chunked").
+    "recurrent" | "scan" | "chunked" | "auto" (= "chunked").  ``seq_axis``: the mesh axis the
+    time axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
     check_impl(impl, IMPLS)
+    sequence.check_impl(impl, seq_axis, name="ahla")
     chunk_size = check_chunk_size(chunk_size)
     B, T, H, _, _ = check_qkv(q, k, v, name="ahla")
     g = check_gate(g, B, T, H, name="ahla")
@@ -187,4 +190,5 @@ def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
         return ahla_recurrent(q, k, v, g, normalize=normalize, eps=eps)
     if impl == "scan":
         return ahla_scan(q, k, v, g, normalize=normalize, eps=eps)
-    return ahla_chunked(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size)
+    return ahla_chunked(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size,
+                        seq_axis=seq_axis)

@@ -69,7 +69,7 @@ def check_gate(g, B: int, T: int, H: int, *, name: str = "operator", required: b
         g = jnp.broadcast_to(g, (B, T, H))
     elif g.shape != (B, T, H):
         raise ValueError(f"{name}: g must have shape [B,T,H]={(B, T, H)} or [H]={(H,)}, got {g.shape}")
-    if _is_concrete(g) and bool(jnp.any(g > 0)):
+    if _is_concrete(g) and bool(np.any(np.asarray(g) > 0)):
         raise ValueError(f"{name}: g is a log-decay and must be <= 0 everywhere")
     return g
 

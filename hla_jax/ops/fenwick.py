@@ -68,6 +68,18 @@ def chunk_log2(chunk_size: int) -> int:
     return c.bit_length() - 1
 
 
+def collapse(H, m):
+    """``H[m] += H[0] + … + H[m−1]``, then ``H[0..m−1] = 0`` (``m`` may be traced; 0: no-op).
+
+    The levels of earlier keys when the query moves from ``t0`` to ``t > t0``: a key at level
+    ``ℓ`` of ``t0`` is at level ``max(ℓ, bit_length(t XOR t0))`` of ``t``.
+    """
+    L = H.shape[0]
+    idx = jnp.arange(L).reshape((L,) + (1,) * (H.ndim - 1))
+    merged = jnp.sum(jnp.where(idx < m, H, 0), axis=0)
+    return jnp.where(idx < m, 0, H) + jnp.where((idx == m) & (m > 0), merged, 0)
+
+
 def carry(H, t):
     """Binary-counter carry of stacked level states before token (or chunk) ``t`` is added.
 
@@ -76,10 +88,5 @@ def carry(H, t):
     nothing moves.  Afterwards ``H[ℓ]`` (ℓ ≥ 1) holds the keys at level ℓ of ``t``, and
     ``H[0]`` is empty.  ``t`` may be traced (no Python branching); requires ``t < 2^(L−1)``.
     """
-    L = H.shape[0]
     t = jnp.asarray(t)
-    z = trailing_zeros(t)
-    idx = jnp.arange(L).reshape((L,) + (1,) * (H.ndim - 1))
-    low = (idx <= z) & (t > 0)
-    merged = jnp.sum(jnp.where(low, H, 0), axis=0)
-    return jnp.where(low, 0, H) + jnp.where((idx == z + 1) & (t > 0), merged, 0)
+    return collapse(H, jnp.where(t > 0, trailing_zeros(t) + 1, 0))

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import reference
+from hla_jax.ops import reference, sequence
 from hla_jax.ops.common import (
     causal_mask,
     check_chunk_size,
@@ -29,7 +29,6 @@ from hla_jax.ops.common import (
     decay_matrix,
     ein,
     empty_segment,
-    exclusive_scan,
     from_chunks,
     gate_or_zeros,
     mm,
@@ -192,8 +191,8 @@ def chunk_summaries(Q, K, V, g, Gam) -> Summary:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("normalize", "chunk_size"))
-def hla2_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64):
+@functools.partial(jax.jit, static_argnames=("normalize", "chunk_size", "seq_axis"))
+def hla2_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, seq_axis=None):
     """Chunked form (SPEC §1): per chunk, with the prefix ``(S0, C0, m0, G0, h0)`` of earlier chunks,
 
         O   = diag(ρ²) Q U0 + M V,     U0 = S0 C0 − G0
@@ -201,8 +200,9 @@ def hla2_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64):
         M   = diag(ρ) ((Q S0 Qᵀ) ∘ Γ) + (W_g Wᵀ) ∘ Γ,   W_g = Γ ∘ QKᵀ,  W = L ∘ QKᵀ
 
     with local ``ρ_τ = exp(g_1+…+g_τ)`` and local ``Γ``.  Prefixes come from
-    ``exclusive_scan(combine, ·)`` over ``chunk_summaries``.  Memory: O(T·c) plus one state per
-    chunk; T is padded to a multiple of the chunk internally.
+    ``exclusive_scan(combine, ·)`` over ``chunk_summaries``, preceded by the earlier shards' total
+    under ``seq_axis`` (``sequence.chunk_prefixes``).  Memory: O(T·c) plus one state per chunk;
+    T is padded to a multiple of the chunk internally.
     """
     q, k, v, g, (B, T, H, _, _) = _prepare(q, k, v, g)
     c = min(check_chunk_size(chunk_size), T)
@@ -210,7 +210,7 @@ def hla2_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64):
     Q, K, V, gc = (to_chunks(pad_time(x, c), c) for x in (q, k, v, g))  # [B,H,N,c,...]
     Gam = decay_matrix(gc)
     own = chunk_summaries(Q, K, V, gc, Gam)
-    p = exclusive_scan(combine, empty_segment(own, 2), own, axis=2)  # prefix before each chunk
+    p = sequence.chunk_prefixes(combine, empty_segment(own, 2), own, 2, seq_axis)
 
     rho = jnp.exp(jnp.cumsum(gc, -1))[..., None]
     A = mm(Q, jnp.swapaxes(K, -1, -2))
@@ -226,14 +226,17 @@ def hla2_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64):
     return from_chunks(O, T)
 
 
-def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64):
+def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64,
+         seq_axis=None):
     """Second-order masked HLA, ``[B,T,H,dv]`` in the state dtype (float32, float64 for float64 inputs).
 
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
     ``None``.  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
-    "recurrent" | "scan" | "chunked" | "auto" (= "chunked").
+    "recurrent" | "scan" | "chunked" | "auto" (= "chunked").  ``seq_axis``: the mesh axis the
+    time axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
     check_impl(impl, IMPLS)
+    sequence.check_impl(impl, seq_axis, name="hla2")
     chunk_size = check_chunk_size(chunk_size)
     B, T, H, _, _ = check_qkv(q, k, v, name="hla2")
     g = check_gate(g, B, T, H, name="hla2")
@@ -243,4 +246,5 @@ def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
         return hla2_recurrent(q, k, v, g, normalize=normalize, eps=eps)
     if impl == "scan":
         return hla2_scan(q, k, v, g, normalize=normalize, eps=eps)
-    return hla2_chunked(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size)
+    return hla2_chunked(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size,
+                        seq_axis=seq_axis)

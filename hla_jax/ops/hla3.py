@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import reference
+from hla_jax.ops import reference, sequence
 from hla_jax.ops.common import (
     cast_inputs,
     causal_mask,
@@ -32,7 +32,6 @@ from hla_jax.ops.common import (
     decay_matrix,
     ein,
     empty_segment,
-    exclusive_scan,
     from_chunks,
     gate_or_zeros,
     mm,
@@ -331,14 +330,15 @@ def hla3_scan(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6):
     return readout(prefix, q, normalize=normalize, eps=eps)
 
 
-def _causal_chunked(Q, K, V, gc):
+def _causal_chunked(Q, K, V, gc, seq_axis=None):
     """Causal chunked outputs ``[B,H,N,c,dv]`` (SPEC §3): with the prefix ``(S0, P0, F0)``,
 
         O = diag(ρ²) Q F0 + diag(ρ²) ((Q S0 Qᵀ) ∘ L)(Q P0) + diag(ρ) ((Q S0 Qᵀ) ∘ Γ)(W_g V)
           + diag(ρ) (Γ ∘ (A W_gᵀ))(Q P0) + (Γ ∘ (W_g A_Lᵀ))(W_g V)
 
     with ``A = QKᵀ``, ``A_L = L ∘ A``, ``W_g = Γ ∘ A``, local ``ρ`` and ``Γ``; prefixes from
-    ``exclusive_scan(combine, ·)`` over ``chunk_summaries``.
+    ``exclusive_scan(combine, ·)`` over ``chunk_summaries``, preceded by the earlier shards'
+    total under ``seq_axis`` (``sequence.chunk_prefixes``).
     """
     c = Q.shape[-2]
     Gam = decay_matrix(gc)
@@ -346,7 +346,7 @@ def _causal_chunked(Q, K, V, gc):
     Wg = Gam * A
     WgV = mm(Wg, V)
     own = chunk_summaries(Q, K, V, gc, Gam, Wg, WgV)
-    p = exclusive_scan(combine, empty_segment(own, 2), own, axis=2)
+    p = sequence.chunk_prefixes(combine, empty_segment(own, 2), own, 2, seq_axis)
     rho = jnp.exp(jnp.cumsum(gc, -1))[..., None]
     L = causal_mask(c, A.dtype)
     QS0Q = mm(mm(Q, p.S), tr(Q))
@@ -356,22 +356,39 @@ def _causal_chunked(Q, K, V, gc):
             + mm(Gam * mm(Wg, tr(L * A)), WgV))
 
 
-def _paper_chunked(Q, K, V):
-    """``paper`` chunked outputs ``[B,H,N,c,dv]``: a ``lax.scan`` of ``paper_chunk`` over chunks."""
+def _paper_chunked(Q, K, V, seq_axis=None):
+    """``paper`` chunked outputs ``[B,H,N,c,dv]``: a ``lax.scan`` of ``paper_chunk`` over chunks.
+
+    Under ``seq_axis`` (shard ``j``), in two small collectives instead of gathering the
+    ``d³·dv`` map of ``paper_combine``: the moments ``(SK0, SQ0, P0)`` of the earlier shards are
+    an exclusive sum; the scan starts from ``(SK0, SQ0, P0, G = 0)``, whose ``H`` is
+    ``H0' = SK0 SQ0 P0``; ``H`` then grows by a term ``ΔH_j`` that depends on the moments only,
+    so the true prefix is ``H0 = Σ_{i<j} ΔH_i`` (a second exclusive sum) and every output gains
+    ``Q (H0 − H0')`` (``o_t = q_tᵀ H_t`` is affine in the initial ``H``).
+    """
     B, H, _, _, d = Q.shape
     init = paper_init_state(B, H, d, V.shape[-1], dtype=Q.dtype)
-    _, O = jax.lax.scan(lambda s, x: paper_chunk(s, *x), init,
-                        tuple(jnp.moveaxis(x, 2, 0) for x in (Q, K, V)))
-    return jnp.moveaxis(O, 0, 2)
+    if seq_axis is not None:
+        moments = [ein("bhncd,bhnce->bhde", x, y) for x, y in ((K, K), (Q, Q), (K, V))]
+        init = sequence.varying(init, seq_axis)._replace(
+            **dict(zip(("SK", "SQ", "P"), sequence.exclusive_sum(moments, seq_axis))))
+    final, O = jax.lax.scan(lambda s, x: paper_chunk(s, *x), init,
+                            tuple(jnp.moveaxis(x, 2, 0) for x in (Q, K, V)))
+    O = jnp.moveaxis(O, 0, 2)
+    if seq_axis is None:
+        return O
+    H0 = sequence.exclusive_sum(_paper_H(final) - _paper_H(init), seq_axis)
+    return O + mm(Q, (H0 - _paper_H(init))[:, :, None])
 
 
-@functools.partial(jax.jit, static_argnames=("mask", "normalize", "chunk_size"))
-def hla3_chunked(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, chunk_size=64):
+@functools.partial(jax.jit, static_argnames=("mask", "normalize", "chunk_size", "seq_axis"))
+def hla3_chunked(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, chunk_size=64,
+                 seq_axis=None):
     """Chunked form: matmuls inside chunks of ``chunk_size`` (T padded internally).
 
     causal: ``_causal_chunked`` (chunk prefixes by the associative combine); paper:
     ``_paper_chunked`` (a sequential pass carrying ``(SK, SQ, P, G1, G2, G3)``).  Memory O(T·c)
-    plus one state per chunk.
+    plus one state per chunk.  ``seq_axis``: the time axis is sharded (``ops.sequence``).
     """
     _check_mask(mask, g)
     B, T, H, _, _ = check_qkv(q, k, v, name="hla3")
@@ -379,23 +396,25 @@ def hla3_chunked(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, c
     c = min(check_chunk_size(chunk_size), T)
     Q, K, V = (to_chunks(pad_time(x, c), c) for x in (q, k, v))  # [B,H,N,c,...]
     if mask == "paper":
-        O = _paper_chunked(Q, K, V)
+        O = _paper_chunked(Q, K, V, seq_axis)
     else:
         gc = to_chunks(pad_time(gate_or_zeros(g, B, T, H, q.dtype), c), c)
-        O = _causal_chunked(Q, K, V, gc)
+        O = _causal_chunked(Q, K, V, gc, seq_axis)
     return _finish(from_chunks(O, T), normalize, eps)
 
 
 def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="auto",
-         chunk_size=64):
+         chunk_size=64, seq_axis=None):
     """Third-order HLA, ``[B,T,H,dv]`` in the state dtype (float32, float64 for float64 inputs).
 
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
     ``None`` (``mask="paper"`` has no decay: ``g`` must be ``None``).  ``mask``: "causal" |
     "paper".  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
-    "recurrent" | "scan" | "chunked" | "auto" (= "chunked").
+    "recurrent" | "scan" | "chunked" | "auto" (= "chunked").  ``seq_axis``: the mesh axis the
+    time axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
     check_impl(impl, IMPLS)
+    sequence.check_impl(impl, seq_axis, name="hla3")
     _check_mask(mask, g)
     chunk_size = check_chunk_size(chunk_size)
     B, T, H, _, _ = check_qkv(q, k, v, name="hla3")
@@ -407,4 +426,4 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="aut
     if impl == "scan":
         return hla3_scan(q, k, v, g, mask=mask, normalize=normalize, eps=eps)
     return hla3_chunked(q, k, v, g, mask=mask, normalize=normalize, eps=eps,
-                        chunk_size=chunk_size)
+                        chunk_size=chunk_size, seq_axis=seq_axis)

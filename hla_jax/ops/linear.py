@@ -49,18 +49,20 @@ def scan(q, k, v, g):
     return loglinear.scan(q, k, v, g)
 
 
-def chunked(q, k, v, g, chunk_size=64):
+def chunked(q, k, v, g, chunk_size=64, seq_axis=None):
     """``O = ((QKᵀ)∘Γ) V + (γ∘Q) H_{n−1}`` per chunk; chunk states by an exclusive scan of
     ``combine`` over chunk summaries ``(γ_c, K̃ᵀ V)``."""
-    return loglinear.chunked(q, k, v, g, chunk_size=chunk_size)
+    return loglinear.chunked(q, k, v, g, chunk_size=chunk_size, seq_axis=seq_axis)
 
 
-def linear_attention(q, k, v, g=None, *, impl="auto", chunk_size=64):
-    """``o = (Γ ∘ QKᵀ) V``; ``g`` optional. impl: reference | recurrent | scan | chunked | auto."""
+def linear_attention(q, k, v, g=None, *, impl="auto", chunk_size=64, seq_axis=None):
+    """``o = (Γ ∘ QKᵀ) V``; ``g`` optional. impl: reference | recurrent | scan | chunked | auto.
+    ``seq_axis``: the mesh axis the time axis is sharded over (``ops.sequence``)."""
     return loglinear.run("linear_attention", q, k, v, g, impl=impl, chunk_size=chunk_size,
-                         gate_required=False)
+                         gate_required=False, seq_axis=seq_axis)
 
 
-def mamba2(q, k, v, g, *, impl="auto", chunk_size=64):
+def mamba2(q, k, v, g, *, impl="auto", chunk_size=64, seq_axis=None):
     """Scalar-gated linear attention (Mamba-2's SSD core: q=C, k=B, v=dt·x, g=dt·A); g required."""
-    return loglinear.run("mamba2", q, k, v, g, impl=impl, chunk_size=chunk_size)
+    return loglinear.run("mamba2", q, k, v, g, impl=impl, chunk_size=chunk_size,
+                         seq_axis=seq_axis)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-from hla_jax.ops import common, fenwick, reference
+from hla_jax.ops import common, fenwick, reference, sequence
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "auto")
 
@@ -150,11 +150,12 @@ def _chunk_terms(Q, K, V, G, Beta):
     """Per-chunk pieces, all parallel over chunks (``[B,H,N,c,...]`` inputs).
 
     Returns ``M`` (intra-chunk attention, ``[..., c, c]``), ``Q̂`` (what reads an incoming state,
-    ``o ⊇ Q̂ H``), the chunk transition ``A_c`` and the chunk's own state ``K̃ᵀ U``:
-      Mamba-2:       M = (QKᵀ)∘Γ,  Q̂ = γ∘Q,          A_c = γ_c,            own = K̃ᵀ V
+    ``o ⊇ Q̂ H``), the chunk transition ``A_c`` and the write keys ``K_w`` (the chunk's own state
+    is ``K_wᵀ V``, linear in V):
+      Mamba-2:       M = (QKᵀ)∘Γ,  Q̂ = γ∘Q,          A_c = γ_c,            K_w = K̃
       Gated DeltaNet (UT transform ``T = (I + strict_tril(diag(β)(KKᵀ)∘Γ))⁻¹ diag(β)``,
-      ``W = T(γ∘K)``, ``U = T V``): M = ((QKᵀ)∘Γ) T,  Q̂ = γ∘Q − ((QKᵀ)∘Γ) W,
-      A_c = γ_c I − K̃ᵀ W,  own = K̃ᵀ U;   with ``K̃ = (γ_c/γ)∘K``.
+      ``W = T(γ∘K)``): M = ((QKᵀ)∘Γ) T,  Q̂ = γ∘Q − ((QKᵀ)∘Γ) W,
+      A_c = γ_c I − K̃ᵀ W,  K_w = Tᵀ K̃ (own = K̃ᵀ T V);   with ``K̃ = (γ_c/γ)∘K``.
     """
     Gam = common.decay_matrix(G)                     # Γ: [..., c, c]
     gamma = jnp.exp(jnp.cumsum(G, axis=-1))          # γ_τ = D(τ, −1)
@@ -162,50 +163,75 @@ def _chunk_terms(Q, K, V, G, Beta):
     gamma_c = gamma[..., -1, None, None]
     P = common.ein("...td,...sd->...ts", Q, K) * Gam
     if Beta is None:
-        return P, gamma[..., None] * Q, gamma_c, common.ein("...cd,...cv->...dv", Kt, V)
+        return P, gamma[..., None] * Q, gamma_c, Kt
     c, d = K.shape[-2:]
     eye = jnp.eye(c, dtype=K.dtype)
     strict = jnp.tril(Beta[..., :, None] * common.ein("...td,...sd->...ts", K, K) * Gam, -1)
     Tm = solve_triangular(eye + strict, eye * Beta[..., None, :], lower=True, unit_diagonal=True)
     W = common.ein("...ts,...sd->...td", Tm, gamma[..., None] * K)
-    U = common.ein("...ts,...sv->...tv", Tm, V)
     Qh = gamma[..., None] * Q - common.ein("...ts,...sd->...td", P, W)
     A_c = gamma_c * jnp.eye(d, dtype=K.dtype) - common.ein("...cd,...ce->...de", Kt, W)
-    return common.ein("...ts,...sr->...tr", P, Tm), Qh, A_c, common.ein("...cd,...cv->...dv", Kt, U)
+    return (common.ein("...ts,...sr->...tr", P, Tm), Qh, A_c,
+            common.ein("...ts,...td->...sd", Tm, Kt))
 
 
-def _prefix_plain(Qh, A_c, own):
-    """``Q̂ H_{n−1}``, ``H`` the exclusive prefix of ``combine`` over chunks (``exclusive_scan``)."""
+def _prefix_plain(Qh, A_c, own, seq_axis=None):
+    """``Q̂ H_{n−1}``, ``H`` the exclusive prefix of ``combine`` over chunks (and earlier shards)."""
     B, H, _, d = own.shape[:4]
     eye = jnp.ones((1, 1), own.dtype) if A_c.shape[-1] == 1 else jnp.eye(d, dtype=own.dtype)
     identity = (jnp.broadcast_to(eye, (B, H, 1) + eye.shape),
                 jnp.zeros((B, H, 1) + own.shape[3:], own.dtype))
-    Hp = common.exclusive_scan(combine, identity, (A_c, own), axis=2)[1]
+    Hp = sequence.chunk_prefixes(combine, identity, (A_c, own), 2, seq_axis)[1]
     return common.ein("...cd,...dv->...cv", Qh, Hp)
 
 
-def _prefix_levels(Qh, A_c, own, w):
+def _prefix_levels(Qh, A_c, own, w, n0=0, incoming=None):
     """``Σ_m w[τ,m] Q̂ Hc[m]`` with chunk-level states ``Hc`` kept as a binary counter over chunks.
 
-    One ``lax.scan`` over chunks ``n`` carries ``Hc: [S,B,H,d,dv]``: carry(Hc, n), read the
-    prefix, cross the chunk (``Hc[m] ← A_c Hc[m]`` for every m), then ``Hc[0] += own``.
+    One ``lax.scan`` over chunks ``n = n0, n0+1, …`` carries ``Hc: [S,B,H,d,dv]``: carry(Hc, n),
+    read the prefix, cross the chunk (``Hc[m] ← A_c Hc[m]`` for every m), then ``Hc[0] += own``.
     ``Hc[m]`` (m ≥ 1) holds the chunks at level ``log2 c + m``; ``w: [B,H,N,c,S]``.
+    ``incoming = (H_in: [L,B,H,d,dv], w_in: [B,H,N,c,L])``: states from earlier shards, carried
+    along (crossing every chunk, never merged) and read with their own weights.
     """
     S, N = w.shape[-1], own.shape[2]
 
     def body(Hc, x):
         n, Qh_n, A_n, own_n, w_n = x
-        Hc = fenwick.carry(Hc, n)
+        Hc = jnp.concatenate([fenwick.carry(Hc[:S], n), Hc[S:]])
         out = common.ein("bhcs,bhcd,sbhdv->bhcv", w_n, Qh_n, Hc)
         return _mul(A_n, Hc).at[0].add(own_n), out
 
     Hc0 = jnp.zeros((S,) + own.shape[:2] + own.shape[3:], own.dtype)
+    if incoming is not None:
+        Hc0, w = jnp.concatenate([Hc0, incoming[0]]), jnp.concatenate([w, incoming[1]], -1)
     xs = [jnp.moveaxis(x, 2, 0) for x in (Qh, A_c, own, w)]
-    _, out = jax.lax.scan(body, Hc0, [jnp.arange(N, dtype=jnp.int32), *xs])
+    _, out = jax.lax.scan(body, Hc0, [n0 + jnp.arange(N, dtype=jnp.int32), *xs])
     return jnp.moveaxis(out, 0, 2)
 
 
-def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64):
+def _incoming_levels(A_c, Kw, V, pos, t0, T, levels, seq_axis):
+    """Fenwick level states of the earlier shards' keys, as seen from this shard's ``t0``.
+
+    Shard ``i`` summarises itself by its transition ``A_i`` and ``Own_i[ℓ]``, its keys at level
+    ``ℓ`` of ``t_{i+1} = t_i + T`` carried to its end (``K_wᵀ V`` with V masked by level, then
+    the chunk combine).  Crossing shard ``i`` maps the earlier keys' states ``H ↦ A_i
+    collapse(H, ℓ_i) + Own_i`` with ``ℓ_i = bit_length(t_{i+1} XOR t_i)`` (``fenwick.collapse``),
+    folded over ``i < j`` by ``sequence.device_prefix``.  Returns ``[levels,B,H,d,dv]``.
+    """
+    onehot = fenwick.level(t0 + T, pos)[None] == jnp.arange(levels)[:, None, None]
+    own = common.ein("...cd,l...cv->l...dv", Kw, onehot[:, None, None, :, :, None] * V[None])
+    A_i, Own_i = sequence.segment_total(combine, (A_c[None], own), axis=3)
+
+    def cross(i, H, s):
+        A, Own = s
+        return _mul(A, fenwick.collapse(H, int(fenwick.level((i + 1) * T, i * T)))) + Own
+
+    init = jnp.zeros(own.shape[:3] + own.shape[4:], own.dtype)
+    return sequence.device_prefix(cross, init, (A_i[:, :, :, 0], Own_i[:, :, :, 0]), seq_axis)
+
+
+def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None):
     """Chunked form: O(T·c) intra-chunk matmuls plus a scan over chunk states.
 
     Plain: ``O = M V + Q̂ H_{n−1}``.  Log-linear (``chunk_size`` a power of two): levels
@@ -214,43 +240,74 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64):
     ``n' < n`` is at level ``log2 c + bit_length(n XOR n')`` and enters as ``λ_τ^{(ℓ)} Q̂_τ Hc[ℓ]``.
     The level states are a binary counter over chunks in one pass: O(T log T) time, O(log T)
     states in memory.
+
+    ``seq_axis`` (``ops.sequence``): plain, the earlier shards' total state precedes the chunk
+    prefixes.  Log-linear, levels depend on global positions: shard ``j`` (first token
+    ``t0 = j T``) shifts its tokens by ``t0 mod c`` behind zero tokens so that its chunks sit on
+    the global chunk grid (``level_table`` and the counter, started empty at global chunk
+    ``⌊t0/c⌋``, stay exact; a chunk split between shards is read by both, each with its own
+    keys), and the earlier shards' keys come in as level states relative to ``t0``
+    (``_incoming_levels``): query ``t`` reads ``H_in[ℓ]`` at level ``max(ℓ, bit_length(t XOR t0))``.
     """
     dt = common.state_dtype(q, k, v, g, beta, lam)
     q, k, v, g, beta, lam = _cast(dt, q, k, v, g, beta, lam)
     T = q.shape[1]
     c = chunk_size
-    Q, K, V, G, Beta, Lam = (None if x is None else common.to_chunks(common.pad_time(x, c), c)
-                             for x in (q, k, v, g, beta, lam))
-    M, Qh, A_c, own = _chunk_terms(Q, K, V, G, Beta)
+    levels_sharded = lam is not None and seq_axis is not None
+    t0 = sequence.first_position(seq_axis, T)
+    shifted = levels_sharded and T % c != 0           # shards start off the global chunk grid
+    shift = t0 % c if shifted else 0
+    N = -(-(T + (c - 1) * shifted) // c)
+
+    def chunks(x):
+        x = jnp.pad(x, [(0, 0), (0, N * c - T)] + [(0, 0)] * (x.ndim - 2))
+        return common.to_chunks(jnp.roll(x, shift, axis=1) if shifted else x, c)
+
+    Q, K, V, G, Beta, Lam = (None if x is None else chunks(x) for x in (q, k, v, g, beta, lam))
+    M, Qh, A_c, Kw = _chunk_terms(Q, K, V, G, Beta)
+    own = common.ein("...cd,...cv->...dv", Kw, V)
     if Lam is None:
-        out = common.ein("...ts,...sv->...tv", M, V) + _prefix_plain(Qh, A_c, own)
+        out = common.ein("...ts,...sv->...tv", M, V) + _prefix_plain(Qh, A_c, own, seq_axis)
         return common.from_chunks(out, T)
     lc = fenwick.chunk_log2(c)
-    S = fenwick.num_levels(Q.shape[2])               # slots for chunk levels 0..bit_length(N−1)
-    Lam = jnp.pad(Lam, [(0, 0)] * 4 + [(0, max(0, lc + S - Lam.shape[-1]))])
+    T_all = T * sequence.axis_size(seq_axis)
+    S = fenwick.num_levels(-(-T_all // c) + int(shifted))  # chunk levels up to the last chunk
+    L = Lam.shape[-1]
+    Lam = jnp.pad(Lam, [(0, 0)] * 4 + [(0, max(0, lc + S - L))])
     idx = jnp.asarray(np.maximum(fenwick.level_table(c), 0))  # masked above the diagonal by M
     Lam_intra = jnp.take_along_axis(Lam, jnp.broadcast_to(idx, Lam.shape[:3] + idx.shape), axis=-1)
-    out = common.ein("...ts,...sv->...tv", Lam_intra * M, V) + _prefix_levels(Qh, A_c, own,
-                                                                          Lam[..., lc:lc + S])
-    return common.from_chunks(out, T)
+    incoming = None
+    if levels_sharded:
+        pos = (t0 - shift + jnp.arange(N * c)).reshape(N, c)  # global positions (padding: zeros)
+        levels = fenwick.num_levels(T_all)
+        H_in = _incoming_levels(A_c, Kw, V, pos, t0, T, levels, seq_axis)
+        lev = jnp.maximum(jnp.arange(levels), fenwick.level(pos, t0)[..., None])
+        lev = jnp.broadcast_to(jnp.minimum(lev, L - 1), Lam.shape[:2] + lev.shape)
+        incoming = (H_in, jnp.take_along_axis(Lam, lev, axis=-1))
+    out = common.ein("...ts,...sv->...tv", Lam_intra * M, V) + _prefix_levels(
+        Qh, A_c, own, Lam[..., lc:lc + S], t0 // c, incoming)
+    out = common.from_chunks(out, N * c)
+    return (jnp.roll(out, -shift, axis=1) if shifted else out)[:, :T]
 
 
 # --------------------------------------------------------------------------- public entries
 
 _JITTED = {"recurrent": jax.jit(recurrent), "scan": jax.jit(scan),
-           "chunked": jax.jit(chunked, static_argnames="chunk_size")}
+           "chunked": jax.jit(chunked, static_argnames=("chunk_size", "seq_axis"))}
 
 
-def check_lam(lam, B, T, H, *, name):
-    """``lam: [B,T,H,L]`` with ``L ≥ fenwick.num_levels(T)``; ValueError otherwise."""
+def check_lam(lam, B, T, H, *, name, T_all=None):
+    """``lam: [B,T,H,L]`` with ``L ≥ fenwick.num_levels(T_all)`` (``T_all``: the global length
+    of a sharded sequence, default ``T``); ValueError otherwise."""
     lam = jnp.asarray(lam)
-    need = fenwick.num_levels(T)
+    T_all = T if T_all is None else T_all
+    need = fenwick.num_levels(T_all)
     if lam.ndim != 4 or lam.shape[:3] != (B, T, H):
         raise ValueError(f"{name}: lam must have shape [B,T,H,levels] with [B,T,H]={(B, T, H)}, "
                          f"got {lam.shape}")
     if lam.shape[-1] < need:
-        raise ValueError(f"{name}: lam has {lam.shape[-1]} levels but T={T} needs at least {need} "
-                         "(⌈log2 T⌉+1)")
+        raise ValueError(f"{name}: lam has {lam.shape[-1]} levels but T={T_all} needs at least "
+                         f"{need} (⌈log2 T⌉+1)")
     return lam
 
 
@@ -263,13 +320,15 @@ def _reference(q, k, v, g, beta, lam):
 
 
 def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, log_levels=False,
-        gate_required=True):
+        gate_required=True, seq_axis=None):
     """Validate, then dispatch ``impl`` to the reference or one of the (jitted) forms above.
 
     ``log_levels``: ``lam`` is required and ``chunk_size`` must be a power of two;
-    ``gate_required=False``: ``g=None`` means no decay.
+    ``gate_required=False``: ``g=None`` means no decay; ``seq_axis``: the mesh axis the time
+    axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
     impl = common.check_impl(impl, IMPLS)
+    sequence.check_impl(impl, seq_axis, name=name)
     chunk_size = common.check_chunk_size(chunk_size)
     B, T, H, _, _ = common.check_qkv(q, k, v, name=name)
     g = common.check_gate(g, B, T, H, name=name, required=gate_required)
@@ -277,30 +336,33 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     if beta is not None:
         beta = common.check_per_token(beta, B, T, H, "beta", name=name)
     if log_levels:
-        lam = check_lam(lam, B, T, H, name=name)
+        lam = check_lam(lam, B, T, H, name=name, T_all=T * sequence.axis_size(seq_axis))
         fenwick.chunk_log2(chunk_size)
     if impl == "reference":
         return _reference(q, k, v, g, beta, lam)
     if impl in ("recurrent", "scan"):
         return _JITTED[impl](q, k, v, g, beta, lam)
-    return _JITTED["chunked"](q, k, v, g, beta, lam, chunk_size=chunk_size)
+    return _JITTED["chunked"](q, k, v, g, beta, lam, chunk_size=chunk_size, seq_axis=seq_axis)
 
 
-def loglinear_mamba2(q, k, v, g, lam, *, impl="auto", chunk_size=64):
-    """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} D(t,s) (q_t·k_s) v_s``; ``lam: [B,T,H,L ≥ ⌈log2 T⌉+1]``."""
+def loglinear_mamba2(q, k, v, g, lam, *, impl="auto", chunk_size=64, seq_axis=None):
+    """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} D(t,s) (q_t·k_s) v_s``; ``lam: [B,T,H,L ≥ ⌈log2 T⌉+1]``
+    (``T`` the global length under ``seq_axis``)."""
     return run("loglinear_mamba2", q, k, v, g, None, lam, impl=impl, chunk_size=chunk_size,
-               log_levels=True)
+               log_levels=True, seq_axis=seq_axis)
 
 
-def gated_deltanet(q, k, v, g, beta, *, impl="auto", chunk_size=64):
+def gated_deltanet(q, k, v, g, beta, *, impl="auto", chunk_size=64, seq_axis=None):
     """``o_t = Σ_{s≤t} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_s``, ``A_r = a_r (I − β_r k_r k_rᵀ)``.
 
     Assumes L2-normalised keys (the calling layer's job) and ``beta`` in (0, 1).
     """
-    return run("gated_deltanet", q, k, v, g, beta, impl=impl, chunk_size=chunk_size)
+    return run("gated_deltanet", q, k, v, g, beta, impl=impl, chunk_size=chunk_size,
+               seq_axis=seq_axis)
 
 
-def loglinear_gated_deltanet(q, k, v, g, beta, lam, *, impl="auto", chunk_size=64):
+def loglinear_gated_deltanet(q, k, v, g, beta, lam, *, impl="auto", chunk_size=64,
+                             seq_axis=None):
     """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_s``; ``lam: [B,T,H,L]``."""
     return run("loglinear_gated_deltanet", q, k, v, g, beta, lam, impl=impl,
-               chunk_size=chunk_size, log_levels=True)
+               chunk_size=chunk_size, log_levels=True, seq_axis=seq_axis)
