@@ -36,6 +36,7 @@ from hla_jax.ops.common import (
     mm,
     outer,
     pad_time,
+    precision_from_inputs,
     ratio_last_column,
     scan_time,
     state_dtype,
@@ -169,6 +170,7 @@ def ahla_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, s
     return ratio_last_column(O, eps) if normalize else O
 
 
+@precision_from_inputs
 def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64,
          seq_axis=None):
     """Asymmetric second-order HLA, ``[B,T,H,dv]`` in the state dtype (float32, float64 for

@@ -6,8 +6,9 @@ Shapes follow SPEC.md: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (l
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -211,14 +212,37 @@ def empty_segment(like, axis: int):
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def matmul_precision(*xs):
+    """The matmul precision an operator call runs under, chosen from its inputs' dtypes.
+
+    float32/float64 inputs: ``"highest"`` (exact float32 products, no TF32 on GPU), which the
+    1e-4 / 1e-10 tolerances need.  16-bit inputs: ``"tensorfloat32"``: the state stays float32 but
+    products may use the tensor cores, within the bf16 tolerance 2e-2 (SPEC §6).  A context
+    manager; jit's cache key includes it.
+    """
+    low = any(jnp.dtype(x.dtype).itemsize < 4 for x in xs if x is not None)
+    return jax.default_matmul_precision("tensorfloat32" if low else "highest")
+
+
+def precision_from_inputs(entry):
+    """Decorate an operator entry ``entry(q, k, v, ...)`` to run under ``matmul_precision(q, k, v)``."""
+
+    @functools.wraps(entry)
+    def wrapped(q, k, v, *args, **kwargs):
+        with matmul_precision(q, k, v):
+            return entry(q, k, v, *args, **kwargs)
+
+    return wrapped
+
+
 def ein(spec: str, *xs):
-    """``jnp.einsum`` at full float32 precision (no TF32 on GPU)."""
-    return jnp.einsum(spec, *xs, precision=HIGHEST)
+    """``jnp.einsum`` at the precision of the enclosing ``matmul_precision``."""
+    return jnp.einsum(spec, *xs)
 
 
 def mm(a, b):
-    """Batched ``a @ b`` at full float32 precision."""
-    return jnp.matmul(a, b, precision=HIGHEST)
+    """Batched ``a @ b`` at the precision of the enclosing ``matmul_precision``."""
+    return jnp.matmul(a, b)
 
 
 def tr(x):

@@ -33,6 +33,7 @@ from hla_jax.ops.common import (
     gate_or_zeros,
     mm,
     pad_time,
+    precision_from_inputs,
     scan_time,
     state_dtype,
     to_chunks,
@@ -226,6 +227,7 @@ def hla2_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, s
     return from_chunks(O, T)
 
 
+@precision_from_inputs
 def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64,
          seq_axis=None):
     """Second-order masked HLA, ``[B,T,H,dv]`` in the state dtype (float32, float64 for float64 inputs).

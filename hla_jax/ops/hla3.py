@@ -37,6 +37,7 @@ from hla_jax.ops.common import (
     mm,
     outer,
     pad_time,
+    precision_from_inputs,
     ratio_last_column,
     scan_time,
     state_dtype,
@@ -403,6 +404,7 @@ def hla3_chunked(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, c
     return _finish(from_chunks(O, T), normalize, eps)
 
 
+@precision_from_inputs
 def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="auto",
          chunk_size=64, seq_axis=None):
     """Third-order HLA, ``[B,T,H,dv]`` in the state dtype (float32, float64 for float64 inputs).

@@ -340,9 +340,10 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
         fenwick.chunk_log2(chunk_size)
     if impl == "reference":
         return _reference(q, k, v, g, beta, lam)
-    if impl in ("recurrent", "scan"):
-        return _JITTED[impl](q, k, v, g, beta, lam)
-    return _JITTED["chunked"](q, k, v, g, beta, lam, chunk_size=chunk_size, seq_axis=seq_axis)
+    with common.matmul_precision(q, k, v):
+        if impl in ("recurrent", "scan"):
+            return _JITTED[impl](q, k, v, g, beta, lam)
+        return _JITTED["chunked"](q, k, v, g, beta, lam, chunk_size=chunk_size, seq_axis=seq_axis)
 
 
 def loglinear_mamba2(q, k, v, g, lam, *, impl="auto", chunk_size=64, seq_axis=None):

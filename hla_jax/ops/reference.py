@@ -14,7 +14,11 @@ import numpy as np
 
 from hla_jax.ops.common import HIGHEST as _HI
 from hla_jax.ops.common import clamp_signed, decay_matrix, state_dtype
-from hla_jax.ops.common import ein as _ein
+
+
+def _ein(spec, *xs):
+    """The oracle's einsum: exact float32 products whatever the context."""
+    return jnp.einsum(spec, *xs, precision=_HI)
 
 
 def _heads_first(x, dtype):
@@ -67,7 +71,8 @@ def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6):
 
 
 def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6):
-    """Third order. ``causal``: ``o_t = Σ_{u≤t} Σ_{i,j≤u} D(t,i)D(t,u)D(u,j) (q_t·k_i)(q_u·k_i)(q_u·k_j) v_j``,
+    """Third order.  ``causal``:
+    ``o_t = Σ_{u≤t} Σ_{i,j≤u} D(t,i)D(t,u)D(u,j) (q_t·k_i)(q_u·k_i)(q_u·k_j) v_j``,
     i.e. ``((W_g Wᵀ) ∘ Γ)(W_g V)``.  ``paper`` (no decay): the sum over index triples
     ``(i,u,j) ≤ t`` of ``(q_t·k_i)(k_i·q_u)(q_u·k_j) v_j`` whose largest index occurs at least
     twice, computed by splitting on which indices equal the maximum ``m``.
