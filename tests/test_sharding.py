@@ -21,6 +21,7 @@ def test_mesh_shape_fills_the_rest():
     assert sharding.mesh_shape(mesh_cfg(), 8) == (8, 1, 1, 1)
     assert sharding.mesh_shape(mesh_cfg(data=2, fsdp=-1, tensor=2), 8) == (2, 2, 1, 2)
     assert sharding.mesh_shape(mesh_cfg(data=1), 8) == (1, 1, 1, 1)
+    assert sharding.mesh_shape(mesh_cfg(sequence=4), 8) == (2, 1, 4, 1)
     mesh = sharding.make_mesh(mesh_cfg())
     assert mesh.axis_names == sharding.AXES and sharding.batch_size_per_shard(mesh) == 1
 
@@ -29,7 +30,6 @@ def test_mesh_shape_fills_the_rest():
     (dict(data=-1, fsdp=-1), 8, "at most one -1"),
     (dict(data=3, fsdp=-1), 8, "not divisible"),
     (dict(data=4, fsdp=4), 8, "needs 16 devices"),
-    (dict(sequence=2), 8, "reserved"),
     (dict(tensor=0), 8, "positive"),
 ])
 def test_mesh_shape_errors(sizes, n, match):

@@ -135,17 +135,11 @@ from test_train import small, losses
 from hla_jax.train import check_config, make_optimizer, sharding, train_and_evaluate
 from hla_jax.train.trainer import init_state
 assert jax.device_count() == 8
-c = small()
-c.mesh.update(data=2, fsdp=4)
-mesh = sharding.make_mesh(c.mesh)
-model_cfg = check_config(c)
-*_, sh = init_state(model_cfg, 0, mesh, sharding.DEFAULT_RULES, make_optimizer(c.optim, 8))
-assert any("fsdp" in s.spec for s in jax.tree.leaves(sh["params"]))
-assert any("fsdp" in s.spec for s in jax.tree.leaves(sh["opt_state"]))
+{checks}
 out = {{}}
-for name, mesh in [("one", dict(data=1, fsdp=1)), ("sharded", dict(data=2, fsdp=4))]:
-    c = small(num_steps=8)
-    c.data.batch_size = 8
+for name, mesh in {meshes!r}.items():
+    c = small(**{small_kw!r})
+    c.update_from_flattened_dict({overrides!r})
     c.mesh.update(mesh)
     train_and_evaluate(c, {tmp!r} + "/" + name)
     out[name] = losses({tmp!r} + "/" + name).tolist()
@@ -153,16 +147,46 @@ print("LOSSES" + json.dumps(out))
 """
 
 
-def test_data_fsdp_mesh_matches_one_device(tmp_path):
+def losses_on_meshes(tmp_path, meshes: dict, small_kw: dict, overrides: dict, checks: str = ""):
+    """Train losses (name -> list) of ``small(**small_kw)`` with the flattened ``overrides``
+    (e.g. ``{"data.batch_size": 8}``) on each mesh of ``meshes`` (name -> mesh sizes), in a
+    subprocess with 8 emulated CPU devices; ``checks``: code run there first (``c`` unset)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
-    script = MESH_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path))
+    script = MESH_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), checks=checks,
+                                meshes=meshes, small_kw=small_kw, overrides=overrides)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.split("LOSSES", 1)[1])
+    return json.loads(proc.stdout.split("LOSSES", 1)[1])
+
+
+FSDP_CHECKS = """
+c = small()
+c.mesh.update(data=2, fsdp=4)
+mesh = sharding.make_mesh(c.mesh)
+*_, sh = init_state(check_config(c), 0, mesh, sharding.DEFAULT_RULES, make_optimizer(c.optim, 8))
+assert any("fsdp" in s.spec for s in jax.tree.leaves(sh["params"]))
+assert any("fsdp" in s.spec for s in jax.tree.leaves(sh["opt_state"]))
+"""
+
+
+def test_data_fsdp_mesh_matches_one_device(tmp_path):
+    out = losses_on_meshes(tmp_path, {"one": dict(data=1, fsdp=1), "sharded": dict(data=2, fsdp=4)},
+                           dict(num_steps=8), {"data.batch_size": 8}, FSDP_CHECKS)
     assert len(out["one"]) == 8
     np.testing.assert_allclose(out["sharded"], out["one"], rtol=0, atol=1e-5)
+
+
+def test_sequence_mesh_matches_one_device(tmp_path):
+    """data=2 × sequence=4: T=64 split in shards of 16 (one chunk) for HLA2 and log-linear
+    Mamba-2 (whose Fenwick levels cross the shard boundaries) = one device, in float32."""
+    out = losses_on_meshes(
+        tmp_path, {"one": dict(data=1, sequence=1), "sharded": dict(data=2, sequence=4)},
+        dict(mixer="hla2+loglinear_mamba2", n_layers=2, num_steps=4),
+        {"model.chunk_size": 16, "model.num_levels": 8})
+    assert len(out["one"]) == 4 and out["one"][3] != out["one"][0]
+    np.testing.assert_allclose(out["sharded"], out["one"], rtol=1e-5)
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -171,7 +195,7 @@ def test_data_fsdp_mesh_matches_one_device(tmp_path):
     ("optim.grad_accum", 3, "batch_size=4 must be divisible"),
     ("data.path", "/nonexistent/corpus", "does not exist"),
     ("data.kind", "video", "data.kind"),
-    ("mesh.sequence", 2, "mesh.sequence is reserved"),
+    ("mesh.sequence", 2, "devices are not divisible by 2"),
     ("mesh.data", 2, "needs 2 devices"),
 ])
 def test_bad_config_fails_before_compiling(tmp_path, monkeypatch, field, value, match):
@@ -186,9 +210,16 @@ def test_bad_config_fails_before_compiling(tmp_path, monkeypatch, field, value, 
         train_and_evaluate(c, tmp_path)
 
 
-def test_batch_must_divide_over_the_data_axis():
+def test_batch_and_time_must_divide_over_the_mesh():
     with pytest.raises(ValueError, match="data.batch_size=4 must be divisible"):
         check_config(small(), batch_shards=8)
+    with pytest.raises(ValueError, match="data.seq_len=64 must be divisible by mesh.sequence=3"):
+        check_config(small(), sequence_shards=3)
+    c = small("hla2")
+    c.model.impl = "recurrent"
+    with pytest.raises(ValueError, match="impl must be one of \\('chunked', 'auto'\\) with seq_axis"):
+        check_config(c, sequence_shards=4)
+    assert check_config(c).seq_axis == "" and check_config(small(), sequence_shards=4).seq_axis
     with pytest.raises(ValueError, match="unknown mixer"):
         load_config("lm", "mixer=transformer")
     with pytest.raises(ValueError, match="unknown config argument"):

@@ -14,6 +14,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from hla_jax.ops.sequence import SEQ_IMPLS
+
 MIXERS = (
     "softmax", "linear", "hla2", "ahla", "hla3", "mamba2", "gated_deltanet",
     "loglinear_mamba2", "loglinear_gated_deltanet",
@@ -34,6 +36,9 @@ class ModelConfig:
     Mamba-2 and softmax follow their published forms (no q/k normalisation).
     ``hla_decay`` adds a learned Mamba-style decay gate to the ``linear`` and HLA mixers;
     ``hla_normalize`` uses the ratio-normalised HLA readout.
+    ``seq_axis``: the mesh axis the time axis is sharded over ("" = none; the trainer sets
+    "sequence" when ``mesh.sequence > 1``): the recurrent mixers then run their op through
+    ``ops.sequence.over_time`` (``impl`` chunked/auto).  Decoding ignores it (unsharded).
     """
 
     vocab_size: int = 256
@@ -57,6 +62,7 @@ class ModelConfig:
     output_gate: str = "silu"
     hla_decay: bool = False
     hla_normalize: bool = False
+    seq_axis: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "mixer_pattern", tuple(self.mixer_pattern))
@@ -115,6 +121,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"ModelConfig.impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.seq_axis and self.impl not in SEQ_IMPLS:
+            raise ValueError(f"ModelConfig.impl must be one of {SEQ_IMPLS} with seq_axis="
+                             f"{self.seq_axis!r} (sequence parallelism), got {self.impl!r}")
         if self.output_gate not in OUTPUT_GATES:
             raise ValueError(
                 f"ModelConfig.output_gate must be one of {OUTPUT_GATES}, got {self.output_gate!r}")

@@ -32,9 +32,9 @@ from hla_jax.nn.recurrent import (
     DecayGate,
     LevelWeights,
     RecurrentMixer,
+    apply_op,
     level_count_ok,
     normalize_qk,
-    op_kwargs,
 )
 
 
@@ -62,8 +62,8 @@ class FeatureMapMixer(RecurrentMixer):
     def _normalize(self) -> dict:
         return {"normalize": self.cfg.hla_normalize} if self.hla else {}
 
-    def op(self, f):
-        return self.entry(**f, **self._normalize(), **op_kwargs(self.cfg))
+    def op(self, f, seq_axis=""):
+        return apply_op(self.entry, f, self.cfg, seq_axis, **self._normalize())
 
     def op_init(self, batch):
         H, d = self.cfg.n_heads, self.cfg.head_dim
@@ -139,10 +139,10 @@ class SSMMixer(RecurrentMixer):
     def readout(self, o, v):
         return o if self.skip is None else o + self.skip[...][:, None] * v.astype(o.dtype)
 
-    def op(self, f):
+    def op(self, f, seq_axis=""):
         if self.lam is not None:
             level_count_ok(self.cfg, f["q"].shape[1])
-        return self.entry(**f, **op_kwargs(self.cfg))
+        return apply_op(self.entry, f, self.cfg, seq_axis)
 
     def init_cache(self, batch, max_len, dtype):
         if self.lam is not None:

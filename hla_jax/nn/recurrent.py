@@ -4,6 +4,7 @@
     q, k, v = SiLU(causal_depthwise_conv(q, k, v))       when the family uses a short conv
     inputs  = features(x, q, k, v)                       q/k normalisation, gates g, β, λ, v = dt·x, ...
     o       = op(inputs)                                 hla_jax.ops entry, impl=cfg.impl
+                                                         (ops.sequence.over_time if cfg.seq_axis)
     y       = W_o (RMSNorm_h(o) ∘ act(x W_z))            OutputGate
 
 Decoding keeps ``{"conv": last K-1 conv inputs, "state": the family's recurrent state}``.
@@ -22,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from hla_jax.nn.layers import Dense, OutputGate, ShortConv, l2_normalize, param
+from hla_jax.ops import sequence
 
 
 class DecayGate(nnx.Module):
@@ -76,8 +78,10 @@ class RecurrentMixer(nnx.Module):
     """Projections, optional short conv, op, output norm/gate; subclasses define the family.
 
     Subclasses set ``uses_conv`` and implement ``features(x, q, k, v) -> dict`` (the op's inputs,
-    shapes ``[B,T,H,...]`` or, when decoding, ``[B,H,...]``), ``op(f)``, ``op_init(batch)`` and
-    ``op_step(state, f_t, pos) -> (o_t, state)``; ``readout(o, v)`` may add a skip term.
+    shapes ``[B,T,H,...]`` or, when decoding, ``[B,H,...]``), ``op(f, seq_axis)`` (through
+    ``apply_op``), ``op_init(batch)`` and ``op_step(state, f_t, pos) -> (o_t, state)``;
+    ``readout(o, v)`` may add a skip term.  The forward pass shards the op over
+    ``cfg.seq_axis``; prefill runs it unsharded.
     """
 
     uses_conv = False
@@ -108,7 +112,8 @@ class RecurrentMixer(nnx.Module):
     def __call__(self, x):
         qkv = self._project(x)
         q, k, v = self._split(qkv if self.conv is None else self.conv(qkv))
-        return self.output(self.readout(self.op(self.features(x, q, k, v)), v), x)
+        o = self.op(self.features(x, q, k, v), self.cfg.seq_axis)
+        return self.output(self.readout(o, v), x)
 
     def init_cache(self, batch, max_len, dtype):
         del max_len  # O(1) (or O(log T) level) state whatever the length
@@ -147,9 +152,14 @@ class RecurrentMixer(nnx.Module):
         return self.output(self.readout(o, v), x_t), {"conv": conv, "state": state}
 
 
-def op_kwargs(cfg) -> dict:
-    """The operator options every ops entry takes from the config."""
-    return {"impl": cfg.impl, "chunk_size": cfg.chunk_size}
+def apply_op(entry, f: dict, cfg, seq_axis: str = "", **kw):
+    """``entry(**f, impl=cfg.impl, chunk_size=cfg.chunk_size, **kw)``; with ``seq_axis`` through
+    ``ops.sequence.over_time`` (time axis sharded over that mesh axis, mesh from
+    ``jax.set_mesh``; the other mesh axes stay automatic)."""
+    kw = kw | {"impl": cfg.impl, "chunk_size": cfg.chunk_size}
+    if seq_axis:
+        return sequence.over_time(entry, seq_axis, **kw)(**f)
+    return entry(**f, **kw)
 
 
 def level_count_ok(cfg, T: int) -> None:

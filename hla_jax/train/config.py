@@ -2,6 +2,7 @@
 checks that turn a bad value into a ValueError before anything is compiled."""
 
 import ast
+import dataclasses
 import pathlib
 
 import ml_collections
@@ -72,7 +73,9 @@ def base_config() -> ml_collections.ConfigDict:
     ))
     c.mesh = ml_collections.ConfigDict(dict(
         data=-1, fsdp=1, tensor=1,  # mesh axis sizes; one may be -1 = the remaining devices
-        sequence=1,                 # reserved for sequence parallelism; must be 1
+        sequence=1,                 # time-axis shards (sequence parallelism; data.seq_len
+                                    # divisible by it; recurrent mixers need model.impl
+                                    # chunked|auto)
         multihost=False,            # call jax.distributed.initialize() (multi-host pods)
         rules=(("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv", None),
                ("mlp", "tensor"), ("levels", None), ("conv", None)),  # logical -> mesh axis
@@ -118,10 +121,17 @@ def _require(ok: bool, message: str):
         raise ValueError(message)
 
 
-def check_config(c, batch_shards: int = 1, process_count: int = 1) -> ModelConfig:
+def check_config(c, batch_shards: int = 1, process_count: int = 1,
+                 sequence_shards: int = 1) -> ModelConfig:
     """Validate ``c`` (ValueError naming the field); returns the ModelConfig.
-    ``batch_shards`` = devices splitting the batch (mesh data × fsdp)."""
+    ``batch_shards`` = devices splitting the batch (mesh data × fsdp); ``sequence_shards`` =
+    devices splitting the time axis (mesh sequence: the ModelConfig gets ``seq_axis``)."""
     model = ModelConfig.from_dict(c.model)
+    if sequence_shards > 1:
+        _require(c.data.seq_len % sequence_shards == 0,
+                 f"data.seq_len={c.data.seq_len} must be divisible by mesh.sequence="
+                 f"{sequence_shards} (the time axis is split evenly over it)")
+        model = dataclasses.replace(model, seq_axis="sequence")  # checks model.impl
     o, t, d = c.optim, c.train, c.data
     _require(o.learning_rate > 0, f"optim.learning_rate must be positive, got {o.learning_rate}")
     _require(o.warmup_steps >= 0 and o.decay_steps >= 0,

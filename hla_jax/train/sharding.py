@@ -3,7 +3,10 @@
 Mesh axes ``(data, fsdp, sequence, tensor)``; sizes come from ``config.mesh`` with -1 = "the
 rest" of the devices. The batch is split over ``data × fsdp``; parameters follow their logical
 axis names (``nnx.get_partition_spec``) through ``rules``, e.g. ``embed -> fsdp`` (ZeRO-3 style)
-and ``heads/mlp/vocab -> tensor`` (Megatron style). ``sequence`` is reserved (size 1).
+and ``heads/mlp/vocab -> tensor`` (Megatron style). ``sequence`` splits the time axis of the
+batch (exact sequence parallelism: the recurrent mixers run their op through
+``ops.sequence.over_time``, everything else is partitioned automatically by XLA); the steps
+then run under ``jax.set_mesh`` (``on_mesh``).
 """
 
 import math
@@ -30,8 +33,6 @@ def maybe_initialize_distributed(mesh_cfg):
 def mesh_shape(mesh_cfg, n_devices: int) -> tuple:
     """Axis sizes in ``AXES`` order, one -1 replaced by the remaining devices."""
     sizes = [int(mesh_cfg[a]) for a in AXES]
-    if sizes[AXES.index("sequence")] != 1:
-        raise ValueError(f"mesh.sequence is reserved and must be 1, got {mesh_cfg.sequence}")
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise ValueError(f"mesh sizes must be positive with at most one -1, got "
                          f"{dict(zip(AXES, sizes))}")
@@ -55,6 +56,20 @@ def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
         logging.info("mesh %s uses %d of %d devices", shape, math.prod(shape), len(devices))
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES),
                          devices=devices[:math.prod(shape)])
+
+
+def sequence_shards(mesh) -> int:
+    """How many shards split the time axis (``sequence``)."""
+    return mesh.shape["sequence"]
+
+
+def on_mesh(f, mesh):
+    """``f`` traced and run under ``jax.set_mesh(mesh)``, where ``ops.sequence.over_time`` finds
+    the mesh of its ``shard_map``."""
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return f(*args)
+    return call
 
 
 def batch_size_per_shard(mesh) -> int:
@@ -88,8 +103,8 @@ def replicated(mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh) -> NamedSharding:
-    """For batches ``[accum, b, T]``: rows split over ``data × fsdp``."""
-    return NamedSharding(mesh, P(None, BATCH_AXES, None))
+    """For batches ``[accum, b, T]``: rows split over ``data × fsdp``, time over ``sequence``."""
+    return NamedSharding(mesh, P(None, BATCH_AXES, "sequence"))
 
 
 def global_batch(local: dict, mesh, global_rows: int) -> dict:

@@ -104,7 +104,8 @@ def train_and_evaluate(config, workdir) -> dict:
     sharding.maybe_initialize_distributed(c.mesh)
     mesh = sharding.make_mesh(c.mesh)
     proc = {"process_index": jax.process_index(), "process_count": jax.process_count()}
-    model_cfg = check_config(c, sharding.batch_size_per_shard(mesh), proc["process_count"])
+    model_cfg = check_config(c, sharding.batch_size_per_shard(mesh), proc["process_count"],
+                             sharding.sequence_shards(mesh))
     rules = tuple(tuple(r) for r in c.mesh.rules)
     train_src, eval_src = data_lib.make_sources(c.data, model_cfg.vocab_size)
     tx = make_optimizer(c.optim, c.train.num_steps)
@@ -130,11 +131,13 @@ def train_and_evaluate(config, workdir) -> dict:
 
     batch_sh = sharding.batch_sharding(mesh)
     repl = sharding.replicated(mesh)
-    train_step = jax.jit(make_train_step(graphdef, tx), donate_argnums=(0, 1),
-                         in_shardings=(sh["params"], sh["opt_state"], sh["rest"], batch_sh),
-                         out_shardings=(sh["params"], sh["opt_state"], repl))
-    eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(sh["params"], sh["rest"], batch_sh),
-                        out_shardings=repl)
+    train_step = sharding.on_mesh(jax.jit(
+        make_train_step(graphdef, tx), donate_argnums=(0, 1),
+        in_shardings=(sh["params"], sh["opt_state"], sh["rest"], batch_sh),
+        out_shardings=(sh["params"], sh["opt_state"], repl)), mesh)
+    eval_step = sharding.on_mesh(jax.jit(
+        make_eval_step(graphdef), in_shardings=(sh["params"], sh["rest"], batch_sh),
+        out_shardings=repl), mesh)
 
     T, n_dev = c.data.seq_len, mesh.devices.size
     peak = peak_flops(jax.devices()[0].device_kind, c.train.peak_flops)
