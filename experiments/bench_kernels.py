@@ -101,7 +101,7 @@ def tune(T, tokens, repeats):
     best = (float("inf"), None)
     for bv, bvb, nw, nwb in [(64, 64, 8, 8), (64, 32, 8, 4), (64, 32, 8, 8), (128, 32, 8, 4)]:
         kw = dict(block_v=bv, block_v_bwd=bvb, num_warps=nw, num_warps_bwd=nwb)
-        fn = lambda q, k, v, g, beta: hla2_pallas(q, k, v, g, **kw)
+        fn = lambda q, k, v, g, beta, kw=kw: hla2_pallas(q, k, v, g, **kw)
         try:
             t0 = time.perf_counter()
             f = timeit(jax.jit(fn), *args[:5], repeats=repeats)

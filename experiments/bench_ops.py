@@ -29,7 +29,7 @@ from hla_jax import ops
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
-# name -> (operator, needs beta, needs lam, shape key)
+# name -> (forward+backward target, shape)
 HLA = dict(B=1, H=4, T=16384, d=64, dv=64)
 LOGLIN = dict(B=1, H=2, T=65536, d=64, dv=64)
 OPERATORS = {
@@ -40,7 +40,8 @@ OPERATORS = {
     "hla3": (lambda q, k, v, g: ops.hla3(q, k, v, g, impl="chunked"), HLA),
     "hla3_paper": (lambda q, k, v, g: ops.hla3(q, k, v, None, mask="paper", impl="chunked"), HLA),
     "mamba2": (lambda q, k, v, g: ops.mamba2(q, k, v, g, impl="chunked"), LOGLIN),
-    "loglinear_mamba2": (lambda q, k, v, g, lam: ops.loglinear_mamba2(q, k, v, g, lam, impl="chunked"), LOGLIN),
+    "loglinear_mamba2": (
+        lambda q, k, v, g, lam: ops.loglinear_mamba2(q, k, v, g, lam, impl="chunked"), LOGLIN),
     "gated_deltanet": (lambda q, k, v, g, beta: ops.gated_deltanet(q, k, v, g, beta, impl="chunked"), LOGLIN),
     "loglinear_gated_deltanet": (
         lambda q, k, v, g, beta, lam: ops.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="chunked"),

@@ -67,23 +67,31 @@ def main():
     p.add_argument("--d_model", type=int, default=1024)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--timeout", type=float, default=600, help="seconds per mixer")
+    p.add_argument("--logdir", default="", help="per-mixer logs (default: a temporary folder)")
     p.add_argument("--one", default="", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
         print("RESULT " + json.dumps(run_one(a)), flush=True)
         return
     rows = []
+    logdir = a.logdir or tempfile.mkdtemp(prefix="train_throughput_")
     for mixer in a.mixers.split(","):
         cmd = [sys.executable, __file__, "--one", mixer] + [
             f"--{k}={getattr(a, k)}" for k in ("seq_len", "batch", "steps", "d_model", "layers")]
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, cwd=ROOT)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            row = json.loads(lines[-1][7:]) if lines else {
-                "mixer": mixer, "error": proc.stderr.strip().splitlines()[-1:] or ["no output"]}
-        except subprocess.TimeoutExpired:
-            row = {"mixer": mixer, "error": f"timed out after {a.timeout:.0f} s"}
+        log = os.path.join(logdir, f"{mixer}.log")
+        with open(log, "w") as f:
+            try:
+                subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=a.timeout,
+                               cwd=ROOT)
+                error = None
+            except subprocess.TimeoutExpired:
+                error = f"timed out after {a.timeout:.0f} s"
+        with open(log) as f:
+            lines = f.read().splitlines()
+        results = [ln for ln in lines if ln.startswith("RESULT ")]
+        row = json.loads(results[-1][7:]) if results else {
+            "mixer": mixer, "error": error or "no result", "log_tail": lines[-5:]}
         row.setdefault("wall_s", time.perf_counter() - t0)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -92,16 +100,16 @@ def main():
     path = os.path.join(RESULTS, f"train_throughput_{device}.json")
     with open(path, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
-    print(f"\n| mixer | params | tokens/s | MFU | peak GiB | final loss |\n|---|---|---|---|---|---|")
+    print("\n| mixer | params | tokens/s | MFU | peak GiB | final loss |\n|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['mixer']} | – | – | – | – | {r['error']} |")
+            print(f"| {r['mixer']} | – | – | – | – | {r['error']}: {(r.get('log_tail') or [''])[-1][:120]} |")
             continue
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
         print(f"| {r['mixer']} | {r['params'] or 'n/a'} | {r['tokens_per_s']:.0f} | {mfu} | {peak} | "
               f"{r['final_loss']:.3f} |")
-    print(f"written {path}")
+    print(f"written {path}; per-mixer logs in {logdir}")
 
 
 if __name__ == "__main__":
