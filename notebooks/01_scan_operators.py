@@ -43,12 +43,12 @@ def rel(a, b):
 
 # %% [markdown]
 # ## Second-order HLA
-# Token summary `(a_t, k kᵀ, q vᵀ, q, 0, 0)`; the combine carries the cross term
+# Token summary `(a_t, k kᵀ, q vᵀ, 0)`; the combine carries the cross term
 # `G = ρ_B² G_A + G_B + ρ_B S_B C_A` (SPEC §1). The readout of the prefix is `qᵀ(S C − G)`.
 
 # %%
 prefix = jax.lax.associative_scan(hla2_family.combine, hla2_family.token_summaries(q, k, v, g), axis=1)
-o_scan, _ = hla2_family.readout(prefix, q)
+o_scan = hla2_family.readout(prefix, q)
 for impl in ("reference", "recurrent", "chunked"):
     print(f"hla2  scan vs {impl:9s}: {rel(o_scan, ops.hla2(q, k, v, g, impl=impl, chunk_size=16)):.1e}")
 
@@ -89,7 +89,7 @@ print("max |left − right| over all fields:",
 # `init_state` + `step` is the O(1)-memory decode path; it reproduces the full sequence.
 
 # %%
-state = hla2_family.init_state(B, H, d, dv, jnp.float64)
+state = hla2_family.init_state(B, H, d, dv, dtype=jnp.float64)
 outs = []
 for t in range(T):
     o_t, state = hla2_family.step(state, q[:, t], k[:, t], v[:, t], g[:, t])

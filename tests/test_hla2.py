@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hla_jax.ops import hla2_family as fam
-from hla_jax.ops.common import clamp_signed, decay_matrix
+from hla_jax.ops.common import clamp_signed, decay_matrix, with_ones_column
 
 FORMS = ("recurrent", "scan", "chunked")
 D, DV = 5, 3
@@ -96,6 +96,10 @@ def test_zero_and_negative_denominators(x64, rng):
     q = q.at[:, 0].set(0.0)
     den = _run("reference")(q, k, jnp.ones_like(v[..., :1]), g)[..., 0]
     assert np.all(den[:, 0] == 0) and np.any(den < 0)
+    # the family's own denominator: the last column of the readout of a [V | 1] prefix
+    prefix = jax.lax.associative_scan(fam.combine, fam.token_summaries(q, k, with_ones_column(v), g),
+                                      axis=1)
+    assert_close(fam.readout(prefix, q)[..., -1], den, 1e-10)
     want = _run("reference", True)(q, k, v, g)
     assert_close(want, _run("reference")(q, k, v, g) / clamp_signed(den, 1e-6)[..., None], 1e-12)
     for impl in FORMS:
@@ -131,18 +135,21 @@ def test_causality(x64, rng, impl):
     assert rel_err(b[:, t0 + 1:], a[:, t0 + 1:]) > 1e-3
 
 
-def test_step_by_step_matches_sequence(x64, rng):
+@pytest.mark.parametrize("normalize", [False, True])
+def test_step_by_step_matches_sequence(x64, rng, normalize):
     T = 7
     q, k, v, g = _inputs(rng, T, np.float64, "token")
-    step = jax.jit(functools.partial(fam.step, normalize=True))
-    state = fam.init_state(2, 2, D, DV, jnp.float64)
+    step = jax.jit(functools.partial(fam.step, normalize=normalize))
+    state = fam.init_state(2, 2, D, DV, normalize=normalize, dtype=jnp.float64)
     outs = []
     for t in range(T):
         o, state = step(state, q[:, t], k[:, t], v[:, t], g[:, t])
         outs.append(o)
-    assert_close(jnp.stack(outs, 1), _run("reference", True)(q, k, v, g), 1e-10)
-    # the final state is the whole sequence's summary, taken as one chunk: [B,H,T,...]
-    Q, K, V, G = (jnp.moveaxis(x, 2, 1) for x in (q, k, v, g))
+    assert_close(jnp.stack(outs, 1), _run("reference", normalize)(q, k, v, g), 1e-10)
+    # the final state is the whole sequence's summary (on [V | 1] when normalised), taken as one
+    # chunk: [B,H,T,...]
+    Q, K, V, G = (jnp.moveaxis(x, 2, 1)
+                  for x in (q, k, with_ones_column(v) if normalize else v, g))
     whole = fam.chunk_summaries(Q, K, V, G, decay_matrix(G))
     for name in fam.State._fields:
         assert_close(getattr(state, name), getattr(whole, name), 1e-12, name)
@@ -150,7 +157,7 @@ def test_step_by_step_matches_sequence(x64, rng):
 
 def _summary(rng, rho, lead=(2,), d=3, dv=2):
     r = lambda *s: jnp.asarray(rng.normal(size=(*lead, *s)))
-    return fam.Summary(jnp.full(lead, rho), r(d, d), r(d, dv), r(d), r(d, dv), r(d))
+    return fam.Summary(jnp.full(lead, rho), r(d, d), r(d, dv), r(d, dv))
 
 
 @settings(max_examples=20, deadline=None)

@@ -8,7 +8,7 @@ import pytest
 from hla_jax.kernels import hla2_pallas
 from hla_jax.kernels.hla2_chunk import chunk_backward, chunk_forward
 from hla_jax.ops import reference
-from tests.helpers import assert_close, grads_of, make_gate, make_qkv
+from helpers import assert_close, grads_of, make_gate, make_qkv
 
 TOL = 2e-3
 
@@ -95,3 +95,15 @@ def test_hla2_pallas_tpu_path_interpret(rng, normalize):
     for name, a, b in zip("qkvg", grads_of(ker, (q, k, v, g), (0, 1, 2, 3), w),
                           grads_of(ref, (q, k, v, g), (0, 1, 2, 3), w)):
         assert_close(a, b, TOL, "d" + name)
+
+
+def test_ops_entry_dispatches_to_the_kernel(rng):
+    """``ops.hla2(..., impl="pallas")`` is the kernel; ``seq_axis`` is refused with it."""
+    from hla_jax import ops
+
+    q, k, v = make_qkv(rng, B=1, T=40, H=2, d=16, dv=16)
+    g = make_gate(rng, B=1, T=40, H=2)
+    out = ops.hla2(q, k, v, g, impl="pallas", chunk_size=16)
+    assert_close(out, reference.hla2(q, k, v, g), 2e-3)
+    with pytest.raises(ValueError, match="seq_axis"):
+        ops.hla2(q, k, v, g, impl="pallas", seq_axis="sequence")

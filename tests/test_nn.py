@@ -12,7 +12,7 @@ from flax import nnx
 from hla_jax.nn import LM, MIXER_CLASSES, MIXERS, ModelConfig, flops_per_token, generate, param_count
 from hla_jax.nn.flops import mixer_core_flops
 from hla_jax.nn.generate import sample_token
-from tests.helpers import assert_close
+from helpers import assert_close
 
 T_TEST = 21
 # XLA CPU spends most of these tests compiling; its cheaper pipeline keeps the file fast.
@@ -81,7 +81,8 @@ def test_mixer_forward_and_gradient(name, rng):
 
 
 DECODE_CASES = [(name, {"hla_decay": True}) for name in MIXERS] + [
-    ("ahla", {"hla_normalize": True}), ("hla3", {"hla_normalize": True}),
+    ("hla2", {"hla_normalize": True}), ("ahla", {"hla_normalize": True}),
+    ("hla3", {"hla_normalize": True}),
     ("gated_deltanet", {"conv_size": 0})]
 
 

@@ -42,12 +42,11 @@ class FeatureMapMixer(RecurrentMixer):
     """Linear / HLA mixers: normalised q, k, optional learned decay, ``entry(q, k, v, g)``.
 
     Subclasses name the op ``entry`` and its ``family`` module (``init_state``/``step``);
-    ``hla`` marks the HLA ops, which take ``normalize``; ``normalized_state`` marks families
-    whose ``init_state`` needs it too (an extra denominator column).
+    ``hla`` marks the HLA ops, whose entry, ``init_state`` and ``step`` take ``normalize`` (the
+    normalised state carries an extra denominator column).
     """
 
     hla = True
-    normalized_state = False
 
     def __init__(self, cfg, *, rngs, out_std):
         super().__init__(cfg, rngs=rngs, out_std=out_std)
@@ -67,7 +66,7 @@ class FeatureMapMixer(RecurrentMixer):
 
     def op_init(self, batch):
         H, d = self.cfg.n_heads, self.cfg.head_dim
-        return self.family.init_state(batch, H, d, d, **(self._normalize() if self.normalized_state else {}))
+        return self.family.init_state(batch, H, d, d, **self._normalize())
 
     def op_step(self, state, f, pos):
         return self.family.step(state, f["q"], f["k"], f["v"], f["g"], **self._normalize())
@@ -91,7 +90,6 @@ class HLA2(FeatureMapMixer):
 class AHLA(FeatureMapMixer):
     """Asymmetric HLA ``o_t = Σ_{j≤i≤t} D(t,j)(q_t·k_i)(q_i·k_j) v_j`` (``ops.ahla``)."""
 
-    normalized_state = True
     family = ops.ahla_family
     entry = staticmethod(ops.ahla)
 
@@ -99,7 +97,6 @@ class AHLA(FeatureMapMixer):
 class HLA3(FeatureMapMixer):
     """Third-order HLA, causal mask ``o = (((W_g Wᵀ) ∘ Γ) W_g) V`` (``ops.hla3``)."""
 
-    normalized_state = True
     family = ops.hla3_family
     entry = staticmethod(ops.hla3)
 

@@ -181,7 +181,7 @@ def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
     "recurrent" | "scan" | "chunked" | "auto" (= "chunked").  ``seq_axis``: the mesh axis the
     time axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
-    check_impl(impl, IMPLS)
+    check_impl(impl, IMPLS, name="ahla")
     sequence.check_impl(impl, seq_axis, name="ahla")
     chunk_size = check_chunk_size(chunk_size)
     B, T, H, _, _ = check_qkv(q, k, v, name="ahla")

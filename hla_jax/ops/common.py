@@ -26,9 +26,9 @@ def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def check_impl(impl: str, allowed: Sequence[str] = IMPLS) -> str:
+def check_impl(impl: str, allowed: Sequence[str] = IMPLS, *, name: str = "operator") -> str:
     if impl not in allowed:
-        raise ValueError(f"impl={impl!r} is not one of {tuple(allowed)}")
+        raise ValueError(f"{name}: impl={impl!r} is not one of {tuple(allowed)}")
     return impl
 
 

@@ -415,7 +415,7 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="aut
     "recurrent" | "scan" | "chunked" | "auto" (= "chunked").  ``seq_axis``: the mesh axis the
     time axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
-    check_impl(impl, IMPLS)
+    check_impl(impl, IMPLS, name="hla3")
     sequence.check_impl(impl, seq_axis, name="hla3")
     _check_mask(mask, g)
     chunk_size = check_chunk_size(chunk_size)

@@ -327,7 +327,7 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     ``gate_required=False``: ``g=None`` means no decay; ``seq_axis``: the mesh axis the time
     axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
-    impl = common.check_impl(impl, IMPLS)
+    impl = common.check_impl(impl, IMPLS, name=name)
     sequence.check_impl(impl, seq_axis, name=name)
     chunk_size = common.check_chunk_size(chunk_size)
     B, T, H, _, _ = common.check_qkv(q, k, v, name=name)
