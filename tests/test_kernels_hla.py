@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close, grads_of, make_gate, make_qkv
 
 from hla_jax.kernels import hla2_pallas
 from hla_jax.kernels.hla2_chunk import chunk_backward, chunk_forward
 from hla_jax.ops import reference
-from helpers import assert_close, grads_of, make_gate, make_qkv
 
 TOL = 2e-3
 

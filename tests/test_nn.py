@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import assert_close
 
 from hla_jax.nn import LM, MIXER_CLASSES, MIXERS, ModelConfig, flops_per_token, generate, param_count
 from hla_jax.nn.flops import mixer_core_flops
 from hla_jax.nn.generate import sample_token
-from helpers import assert_close
 
 T_TEST = 21
 # XLA CPU spends most of these tests compiling; its cheaper pipeline keeps the file fast.

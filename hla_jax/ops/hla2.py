@@ -190,8 +190,9 @@ def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
     ``None``.  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
     "recurrent" | "scan" | "chunked" | "pallas" (``hla_jax.kernels.hla2_pallas``; interpret
-    mode on CPU) | "auto" (= "chunked": the kernel is not yet the faster path).  ``seq_axis``: the mesh axis the
-    time axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
+    mode on CPU) | "auto" (= "chunked": the kernel is not yet the faster path).  ``seq_axis``:
+    the mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
+    ``ops.sequence``).
     """
     check_impl(impl, IMPLS, name="hla2")
     sequence.check_impl(impl, seq_axis, name="hla2")
