@@ -38,3 +38,64 @@ def make_gate(rng, B=2, T=37, H=2, kind="token", dtype=np.float32, low=0.0, high
 def grads_of(fn, args, argnums, w):
     """Gradients of the linear functional ``sum(fn(*args) * w)`` with respect to ``argnums``."""
     return jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=argnums)(*args)
+
+
+def make_inputs(rng, T, gate, normalize, dtype=np.float64, *, B=2, H=2, d=5, dv=3):
+    """``q, k, v, g`` for the HLA tests: ``normalize`` takes |q|, |k| (the denominator stays away
+    from 0); ``gate`` is a ``make_gate`` kind or "reset" (per-token with a few -inf log-decays:
+    segment resets that must keep every form finite and exact)."""
+    q, k, v = make_qkv(rng, B=B, T=T, H=H, d=d, dv=dv, dtype=dtype)
+    if normalize:
+        q, k = jnp.abs(q), jnp.abs(k)
+    if gate != "reset":
+        return q, k, v, make_gate(rng, B=B, T=T, H=H, kind=gate, dtype=dtype)
+    g = make_gate(rng, B=B, T=T, H=H, kind="token", dtype=dtype)
+    g = g.at[0, 5, 1].set(-jnp.inf).at[1, 16, 0].set(-jnp.inf).at[1, 17, 0].set(-jnp.inf)
+    return q, k, v, g
+
+
+def assert_grads_match(fn, ref_fn, args, w, tol: float):
+    """Gradients of ``sum(fn(*args) * w)`` equal those of ``ref_fn`` for every arg (q, k, v, g)."""
+    argnums = tuple(range(len(args)))
+    got, want = grads_of(fn, args, argnums, w), grads_of(ref_fn, args, argnums, w)
+    for name, a, b in zip("qkvg", got, want):
+        assert_close(a, b, tol, f"d/d{name}")
+
+
+def assert_causal(rng, fn, q, k, v, g, t: int):
+    """Redrawing the tokens after ``t`` (and setting their log-decay to -1) leaves ``fn``'s
+    outputs up to ``t`` bit-identical and changes the later ones."""
+    out = fn(q, k, v, g)
+    q2, k2, v2 = (x.at[:, t + 1:].set(jnp.asarray(rng.normal(size=x[:, t + 1:].shape), x.dtype))
+                  for x in (q, k, v))
+    g2 = None if g is None else g.at[:, t + 1:].set(-1.0)
+    out2 = fn(q2, k2, v2, g2)
+    np.testing.assert_array_equal(np.asarray(out[:, :t + 1]), np.asarray(out2[:, :t + 1]))
+    assert not np.allclose(out[:, t + 1:], out2[:, t + 1:])
+
+
+def step_outputs(step, state, q, k, v, g=None):
+    """``step(state, q_t, k_t, v_t, g_t) -> (o_t, state)`` token by token (``g_t = None`` when ``g``
+    is): the outputs ``[B,T,H,dv]`` and the final state."""
+    outs = []
+    for t in range(q.shape[1]):
+        o, state = step(state, q[:, t], k[:, t], v[:, t], None if g is None else g[:, t])
+        outs.append(o)
+    return jnp.stack(outs, 1), state
+
+
+def assert_associative(combine, a, b, c, tol: float = 1e-12):
+    """``(a ⊕ b) ⊕ c == a ⊕ (b ⊕ c)`` field by field (NamedTuple summaries)."""
+    left, right = combine(combine(a, b), c), combine(a, combine(b, c))
+    for name, x, y in zip(type(a)._fields, left, right):
+        assert_close(x, y, tol, name)
+
+
+def assert_forms_match(entry, args, want, tol: float, dtype, forms=("recurrent", "scan", "chunked"),
+                       **kw):
+    """``entry(*args, impl=form, **kw)`` for every form: output dtype ``dtype``, equal to ``want``
+    within ``tol``."""
+    for impl in forms:
+        out = entry(*args, impl=impl, **kw)
+        assert out.dtype == dtype, f"{impl}: dtype {out.dtype}"
+        assert_close(out, want, tol, impl)

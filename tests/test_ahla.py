@@ -1,10 +1,20 @@
 """AHLA (SPEC §2): every form against the quadratic reference, gradients, the combine's algebra."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, grads_of, make_gate, make_qkv
+from helpers import (
+    assert_associative,
+    assert_causal,
+    assert_close,
+    assert_forms_match,
+    assert_grads_match,
+    make_inputs,
+    step_outputs,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,19 +22,7 @@ from hla_jax.ops import ahla_family as F
 from hla_jax.ops import reference
 
 B, H, D, DV = 2, 2, 5, 3
-FORMS = ("recurrent", "scan", "chunked")
-
-
-def _inputs(rng, T, gate, normalize, dtype=np.float64):
-    q, k, v = make_qkv(rng, B=B, T=T, H=H, d=D, dv=DV, dtype=dtype)
-    if normalize:  # non-negative features keep the denominator away from 0
-        q, k = jnp.abs(q), jnp.abs(k)
-    if gate != "reset":
-        return q, k, v, make_gate(rng, B=B, T=T, H=H, kind=gate, dtype=dtype)
-    # segment resets: a log-decay of -inf must keep every form finite and exact
-    g = make_gate(rng, B=B, T=T, H=H, kind="token", dtype=dtype)
-    g = g.at[0, 5, 1].set(-jnp.inf).at[1, 16, 0].set(-jnp.inf).at[1, 17, 0].set(-jnp.inf)
-    return q, k, v, g
+_inputs = functools.partial(make_inputs, B=B, H=H, d=D, dv=DV)
 
 
 # (T, chunk_size, gate, normalize): T in {1, 7, 64, 100}, chunks 16 and 64, every gate kind.
@@ -43,20 +41,16 @@ def test_forms_match_reference_x64(x64, rng, T, chunk, gate, normalize):
     q, k, v, g = _inputs(rng, T, gate, normalize)
     want = reference.ahla(q, k, v, None if g is None else jnp.broadcast_to(g, (B, T, H)),
                           normalize=normalize)
-    for impl in FORMS:
-        out = F.ahla(q, k, v, g, normalize=normalize, impl=impl, chunk_size=chunk)
-        assert out.dtype == jnp.float64
-        assert_close(out, want, 1e-10, impl)
+    assert_forms_match(F.ahla, (q, k, v, g), want, 1e-10, jnp.float64, normalize=normalize,
+                       chunk_size=chunk)
 
 
 @pytest.mark.parametrize("normalize", [False, True])
 def test_forms_match_reference_float32(rng, normalize):
     q, k, v, g = _inputs(rng, 100, "token", normalize, np.float32)
     want = F.ahla(q, k, v, g, normalize=normalize, impl="reference")
-    for impl in FORMS:
-        out = F.ahla(q, k, v, g, normalize=normalize, impl=impl, chunk_size=16)
-        assert out.dtype == jnp.float32
-        assert_close(out, want, 1e-4, impl)
+    assert_forms_match(F.ahla, (q, k, v, g), want, 1e-4, jnp.float32, normalize=normalize,
+                       chunk_size=16)
 
 
 @pytest.mark.parametrize("impl,gate,normalize", [
@@ -72,23 +66,15 @@ def test_gradients_x64(x64, rng, impl, gate, normalize):
     def fn(q, k, v, g):
         return F.ahla(q, k, v, g, normalize=normalize, impl=impl, chunk_size=16)
 
-    got = grads_of(fn, (q, k, v, g), (0, 1, 2, 3), w)
-    want = grads_of(ref_fn, (q, k, v, g), (0, 1, 2, 3), w)
-    for name, a, b in zip("qkvg", got, want):
-        assert_close(a, b, 1e-10, f"d/d{name}")
+    assert_grads_match(fn, ref_fn, (q, k, v, g), w, 1e-10)
 
 
 @pytest.mark.parametrize("impl", ["scan", "chunked"])
 def test_causal(rng, impl):
     T, t = 40, 21
     q, k, v, g = _inputs(rng, T, "token", False, np.float32)
-    out = F.ahla(q, k, v, g, impl=impl, chunk_size=16)
-    q2, k2, v2 = (x.at[:, t + 1:].set(jnp.asarray(rng.normal(size=x[:, t + 1:].shape), x.dtype))
-                  for x in (q, k, v))
-    g2 = g.at[:, t + 1:].set(-1.0)
-    out2 = F.ahla(q2, k2, v2, g2, impl=impl, chunk_size=16)
-    np.testing.assert_array_equal(np.asarray(out[:, :t + 1]), np.asarray(out2[:, :t + 1]))
-    assert not np.allclose(out[:, t + 1:], out2[:, t + 1:])
+    assert_causal(rng, lambda q, k, v, g: F.ahla(q, k, v, g, impl=impl, chunk_size=16),
+                  q, k, v, g, t)
 
 
 @pytest.mark.parametrize("normalize", [False, True])
@@ -97,11 +83,8 @@ def test_step_token_by_token(x64, rng, normalize):
     q, k, v, g = _inputs(rng, T, "token", normalize)
     state = F.init_state(B, H, D, DV, normalize=normalize, dtype=jnp.float64)
     step = jax.jit(lambda s, *x: F.step(s, *x, normalize=normalize))
-    outs = []
-    for t in range(T):
-        o, state = step(state, q[:, t], k[:, t], v[:, t], g[:, t])
-        outs.append(o)
-    assert_close(jnp.stack(outs, 1), reference.ahla(q, k, v, g, normalize=normalize), 1e-10)
+    assert_close(step_outputs(step, state, q, k, v, g)[0],
+                 reference.ahla(q, k, v, g, normalize=normalize), 1e-10)
 
 
 def _random_summary(rng, gated):
@@ -116,11 +99,7 @@ def _random_summary(rng, gated):
 def test_combine_associative(seed, gated):
     with jax.enable_x64(True):
         rng = np.random.default_rng(seed)
-        a, b, c = (_random_summary(rng, gated) for _ in range(3))
-        left = F.combine(F.combine(a, b), c)
-        right = F.combine(a, F.combine(b, c))
-        for name, x, y in zip(F.Summary._fields, left, right):
-            assert_close(x, y, 1e-12, name)
+        assert_associative(F.combine, *(_random_summary(rng, gated) for _ in range(3)))
 
 
 def test_token_summaries_scan_gives_state(x64, rng):

@@ -6,7 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, grads_of, make_gate, make_qkv, rel_err
+from helpers import (
+    assert_associative,
+    assert_close,
+    assert_grads_match,
+    make_gate,
+    make_qkv,
+    rel_err,
+    step_outputs,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,20 +82,15 @@ def test_gradients(rng, impl, dtype, gate, normalize, T):
     with jax.enable_x64(dtype == np.float64):
         q, k, v, g = _inputs(rng, T, dtype, gate, positive=normalize)
         w = jnp.asarray(rng.normal(size=(2, T, 2, DV)), dtype)
-        args, argnums = (q, k, v, g), (0, 1, 2, 3)
-        got = grads_of(_run(impl, normalize), args, argnums, w)
-        want = grads_of(_run("reference", normalize), args, argnums, w)
-        for name, a, b in zip("qkvg", got, want):
-            assert_close(a, b, TOL[dtype], f"d/d{name}")
+        assert_grads_match(_run(impl, normalize), _run("reference", normalize), (q, k, v, g), w,
+                           TOL[dtype])
 
 
 @pytest.mark.parametrize("impl", ["scan", "chunked"])
 def test_gradients_without_gate(x64, rng, impl):
     q, k, v, _ = _inputs(rng, 7, np.float64, None)
     w = jnp.asarray(rng.normal(size=(2, 7, 2, DV)))
-    want = grads_of(_run("reference"), (q, k, v), (0, 1, 2), w)
-    for name, a, b in zip("qkv", grads_of(_run(impl), (q, k, v), (0, 1, 2), w), want):
-        assert_close(a, b, 1e-10, f"d/d{name}")
+    assert_grads_match(_run(impl), _run("reference"), (q, k, v), w, 1e-10)
 
 
 def test_zero_and_negative_denominators(x64, rng):
@@ -141,11 +144,8 @@ def test_step_by_step_matches_sequence(x64, rng, normalize):
     q, k, v, g = _inputs(rng, T, np.float64, "token")
     step = jax.jit(functools.partial(fam.step, normalize=normalize))
     state = fam.init_state(2, 2, D, DV, normalize=normalize, dtype=jnp.float64)
-    outs = []
-    for t in range(T):
-        o, state = step(state, q[:, t], k[:, t], v[:, t], g[:, t])
-        outs.append(o)
-    assert_close(jnp.stack(outs, 1), _run("reference", normalize)(q, k, v, g), 1e-10)
+    outs, state = step_outputs(step, state, q, k, v, g)
+    assert_close(outs, _run("reference", normalize)(q, k, v, g), 1e-10)
     # the final state is the whole sequence's summary (on [V | 1] when normalised), taken as one
     # chunk: [B,H,T,...]
     Q, K, V, G = (jnp.moveaxis(x, 2, 1)
@@ -166,11 +166,7 @@ def _summary(rng, rho, lead=(2,), d=3, dv=2):
 def test_combine_is_associative(seed, rhos):
     rng = np.random.default_rng(seed)
     with jax.enable_x64(True):
-        a, b, c = (_summary(rng, r) for r in rhos)
-        left = fam.combine(fam.combine(a, b), c)
-        right = fam.combine(a, fam.combine(b, c))
-        for name, x, y in zip(fam.Summary._fields, left, right):
-            assert_close(x, y, 1e-12, name)
+        assert_associative(fam.combine, *(_summary(rng, r) for r in rhos))
 
 
 def test_combine_identity(x64, rng):

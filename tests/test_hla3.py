@@ -1,11 +1,21 @@
 """Third-order HLA (SPEC §3), masks "causal" and "paper": every form against the quadratic
 reference, gradients, the combines' algebra, the decode step."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, grads_of, make_gate, make_qkv
+from helpers import (
+    assert_associative,
+    assert_causal,
+    assert_close,
+    assert_forms_match,
+    assert_grads_match,
+    make_inputs,
+    step_outputs,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,19 +23,7 @@ from hla_jax.ops import hla3_family as F
 from hla_jax.ops import reference
 
 B, H, D, DV = 2, 2, 4, 3
-FORMS = ("recurrent", "scan", "chunked")
-
-
-def _inputs(rng, T, gate, normalize, dtype=np.float64):
-    q, k, v = make_qkv(rng, B=B, T=T, H=H, d=D, dv=DV, dtype=dtype)
-    if normalize:  # non-negative features keep the denominator away from 0
-        q, k = jnp.abs(q), jnp.abs(k)
-    if gate != "reset":
-        return q, k, v, make_gate(rng, B=B, T=T, H=H, kind=gate, dtype=dtype)
-    # segment resets: a log-decay of -inf must keep every form finite and exact
-    g = make_gate(rng, B=B, T=T, H=H, kind="token", dtype=dtype)
-    g = g.at[0, 5, 1].set(-jnp.inf).at[1, 16, 0].set(-jnp.inf).at[1, 17, 0].set(-jnp.inf)
-    return q, k, v, g
+_inputs = functools.partial(make_inputs, B=B, H=H, d=D, dv=DV)
 
 
 def _full(g, T):
@@ -49,10 +47,8 @@ CASES = [
 def test_forms_match_reference_x64(x64, rng, mask, T, chunk, gate, normalize):
     q, k, v, g = _inputs(rng, T, gate, normalize)
     want = reference.hla3(q, k, v, _full(g, T), mask=mask, normalize=normalize)
-    for impl in FORMS:
-        out = F.hla3(q, k, v, g, mask=mask, normalize=normalize, impl=impl, chunk_size=chunk)
-        assert out.dtype == jnp.float64
-        assert_close(out, want, 1e-10, impl)
+    assert_forms_match(F.hla3, (q, k, v, g), want, 1e-10, jnp.float64, mask=mask, normalize=normalize,
+                       chunk_size=chunk)
 
 
 @pytest.mark.parametrize("mask,gate,normalize", [("causal", "token", False),
@@ -60,10 +56,8 @@ def test_forms_match_reference_x64(x64, rng, mask, T, chunk, gate, normalize):
 def test_forms_match_reference_float32(rng, mask, gate, normalize):
     q, k, v, g = _inputs(rng, 100, gate, normalize, np.float32)
     want = F.hla3(q, k, v, g, mask=mask, normalize=normalize, impl="reference")
-    for impl in FORMS:
-        out = F.hla3(q, k, v, g, mask=mask, normalize=normalize, impl=impl, chunk_size=16)
-        assert out.dtype == jnp.float32
-        assert_close(out, want, 1e-4, impl)
+    assert_forms_match(F.hla3, (q, k, v, g), want, 1e-4, jnp.float32, mask=mask, normalize=normalize,
+                       chunk_size=16)
 
 
 @pytest.mark.parametrize("mask,impl,gate,normalize", [
@@ -84,23 +78,15 @@ def test_gradients_x64(x64, rng, mask, impl, gate, normalize):
     def fn(q, k, v, g=None):
         return F.hla3(q, k, v, g, mask=mask, normalize=normalize, impl=impl, chunk_size=16)
 
-    argnums = tuple(range(len(args)))
-    got, want = grads_of(fn, args, argnums, w), grads_of(ref_fn, args, argnums, w)
-    for name, a, b in zip("qkvg", got, want):
-        assert_close(a, b, 1e-10, f"d/d{name}")
+    assert_grads_match(fn, ref_fn, args, w, 1e-10)
 
 
 @pytest.mark.parametrize("mask", ["causal", "paper"])
 def test_causal(rng, mask):
     T, t = 40, 21
     q, k, v, g = _inputs(rng, T, "token" if mask == "causal" else None, False, np.float32)
-    out = F.hla3(q, k, v, g, mask=mask, chunk_size=16)
-    q2, k2, v2 = (x.at[:, t + 1:].set(jnp.asarray(rng.normal(size=x[:, t + 1:].shape), x.dtype))
-                  for x in (q, k, v))
-    g2 = None if g is None else g.at[:, t + 1:].set(-1.0)
-    out2 = F.hla3(q2, k2, v2, g2, mask=mask, chunk_size=16)
-    np.testing.assert_array_equal(np.asarray(out[:, :t + 1]), np.asarray(out2[:, :t + 1]))
-    assert not np.allclose(out[:, t + 1:], out2[:, t + 1:])
+    assert_causal(rng, lambda q, k, v, g: F.hla3(q, k, v, g, mask=mask, chunk_size=16),
+                  q, k, v, g, t)
 
 
 @pytest.mark.parametrize("mask,normalize", [("causal", True), ("paper", False)])
@@ -110,17 +96,11 @@ def test_step_token_by_token(x64, rng, mask, normalize):
     if mask == "causal":
         state = F.init_state(B, H, D, DV, normalize=normalize, dtype=jnp.float64)
         step = jax.jit(lambda s, q, k, v, g: F.step(s, q, k, v, g, normalize=normalize))
-        gs = [g[:, t] for t in range(T)]
     else:
         state = F.paper_init_state(B, H, D, DV, normalize=normalize, dtype=jnp.float64)
         step = jax.jit(lambda s, q, k, v, g: F.paper_step(s, q, k, v, normalize=normalize))
-        gs = [None] * T
-    outs = []
-    for t in range(T):
-        o, state = step(state, q[:, t], k[:, t], v[:, t], gs[t])
-        outs.append(o)
     want = reference.hla3(q, k, v, g, mask=mask, normalize=normalize)
-    assert_close(jnp.stack(outs, 1), want, 1e-10)
+    assert_close(step_outputs(step, state, q, k, v, g)[0], want, 1e-10)
 
 
 def test_paper_chunk_state_is_recurrent_state(x64, rng):
@@ -156,10 +136,7 @@ def test_combine_associative(seed, kind):
                          else (F.Summary, F.combine, CAUSAL_SHAPES))
     with jax.enable_x64(True):
         rng = np.random.default_rng(seed)
-        a, b, c = (_random(rng, cls, shapes, kind == "gated") for _ in range(3))
-        left, right = comb(comb(a, b), c), comb(a, comb(b, c))
-        for name, x, y in zip(cls._fields, left, right):
-            assert_close(x, y, 1e-12, name)
+        assert_associative(comb, *(_random(rng, cls, shapes, kind == "gated") for _ in range(3)))
 
 
 def test_auto_is_chunked(rng):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hla_jax.nn.layers import Dense, rope
+from hla_jax.nn.layers import Dense, head_projection, rope
 
 
 def attention_implementation(dtype) -> str | None:
@@ -26,10 +26,7 @@ class SoftmaxAttention(nnx.Module):
     def __init__(self, cfg, *, rngs, out_std):
         H, d, D = cfg.n_heads, cfg.head_dim, cfg.d_model
         self.cfg = cfg
-        names = ("embed", "heads", "kv")
-        self.q = Dense((D,), (H, d), names, rngs=rngs, std=cfg.init_std)
-        self.k = Dense((D,), (H, d), names, rngs=rngs, std=cfg.init_std)
-        self.v = Dense((D,), (H, d), names, rngs=rngs, std=cfg.init_std)
+        self.q, self.k, self.v = (head_projection(cfg, rngs=rngs) for _ in range(3))
         self.out = Dense((H, d), (D,), ("heads", "kv", "embed"), rngs=rngs, std=out_std)
 
     def _qkv(self, x, positions):

@@ -125,6 +125,12 @@ def rope(x, positions, theta=10000.0):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
+def head_projection(cfg, *, rngs) -> Dense:
+    """``x W``: ``[B,T,D] -> [B,T,H,d]`` (the q, k, v and gate projections), ``W ~ N(0, init_std²)``."""
+    return Dense((cfg.d_model,), (cfg.n_heads, cfg.head_dim), ("embed", "heads", "kv"), rngs=rngs,
+                 std=cfg.init_std)
+
+
 class OutputGate(nnx.Module):
     """Per-head RMSNorm of the mixer output, then a gate from the layer input, then ``W_o``.
 
@@ -136,8 +142,7 @@ class OutputGate(nnx.Module):
         H, d, D = cfg.n_heads, cfg.head_dim, cfg.d_model
         self.kind = cfg.output_gate
         self.norm = RMSNorm((H, d), ("heads", "kv"), rngs=rngs, eps=cfg.norm_eps)
-        self.gate = (None if self.kind == "none" else
-                     Dense((D,), (H, d), ("embed", "heads", "kv"), rngs=rngs, std=cfg.init_std))
+        self.gate = None if self.kind == "none" else head_projection(cfg, rngs=rngs)
         self.out = Dense((H, d), (D,), ("heads", "kv", "embed"), rngs=rngs, std=out_std)
 
     def __call__(self, o, x):

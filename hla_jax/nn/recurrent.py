@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hla_jax.nn.layers import Dense, OutputGate, ShortConv, l2_normalize, param
+from hla_jax.nn.layers import Dense, OutputGate, ShortConv, head_projection, l2_normalize, param
 from hla_jax.ops import sequence
 
 
@@ -87,12 +87,9 @@ class RecurrentMixer(nnx.Module):
     uses_conv = False
 
     def __init__(self, cfg, *, rngs, out_std):
-        H, d, D = cfg.n_heads, cfg.head_dim, cfg.d_model
+        H, d = cfg.n_heads, cfg.head_dim
         self.cfg = cfg
-        names = ("embed", "heads", "kv")
-        self.q = Dense((D,), (H, d), names, rngs=rngs, std=cfg.init_std)
-        self.k = Dense((D,), (H, d), names, rngs=rngs, std=cfg.init_std)
-        self.v = Dense((D,), (H, d), names, rngs=rngs, std=cfg.init_std)
+        self.q, self.k, self.v = (head_projection(cfg, rngs=rngs) for _ in range(3))
         self.conv = (ShortConv(cfg.conv_size, H, 3 * d, rngs=rngs)
                      if self.uses_conv and cfg.conv_size > 0 else None)
         self.output = OutputGate(cfg, rngs=rngs, out_std=out_std)

@@ -14,35 +14,14 @@ Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (log-decay ``<= 0
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import reference, sequence
-from hla_jax.ops.common import (
-    cast_inputs,
-    causal_mask,
-    check_chunk_size,
-    check_gate,
-    check_impl,
-    check_qkv,
-    decay_matrix,
-    ein,
-    empty_segment,
-    from_chunks,
-    gate_or_zeros,
-    mm,
-    outer,
-    pad_time,
-    precision_from_inputs,
-    ratio_last_column,
-    scan_time,
-    state_dtype,
-    to_chunks,
-    tr,
-)
+from hla_jax.ops import hla_forms, reference
+from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, precision_from_inputs, tr
+from hla_jax.ops.hla_forms import Chunks, chunk_prefixes, finish
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "auto")
 
@@ -77,7 +56,7 @@ def readout(s, q, *, normalize: bool = False, eps: float = 1e-6):
     """``o = qᵀ E`` from a prefix state or summary (``q: [...,d]``), divided by the denominator
     column when ``normalize``."""
     o = ein("...i,...iv->...v", q, s.E)
-    return ratio_last_column(o, eps) if normalize else o
+    return finish(o, normalize, eps)
 
 
 def step(state: State, q_t, k_t, v_t, g_t=None, *, normalize: bool = False, eps: float = 1e-6):
@@ -110,27 +89,6 @@ def combine(a: Summary, b: Summary) -> Summary:
     return Summary(a.rho * b.rho, r * a.P + b.P, a.R + b.R, r * (a.E + mm(b.R, a.P)) + b.E)
 
 
-@functools.partial(jax.jit, static_argnames=("normalize",))
-def ahla_recurrent(q, k, v, g=None, *, normalize=False, eps=1e-6):
-    """Serial recurrence: ``lax.scan`` of ``step`` over time, O(d·dv) state per head."""
-    B, _, H, d, dv = check_qkv(q, k, v, name="ahla")
-    state = init_state(B, H, d, dv, normalize=normalize, dtype=state_dtype(q, k, v, g))
-    out, _ = scan_time(step, state, q, k, v, g, normalize=normalize, eps=eps)
-    return out
-
-
-@functools.partial(jax.jit, static_argnames=("normalize",))
-def ahla_scan(q, k, v, g=None, *, normalize=False, eps=1e-6):
-    """Token-level ``jax.lax.associative_scan(combine, token_summaries)``, then ``readout``.
-
-    Materialises a ``d×d`` and two ``d×dv`` summaries per token: O(T·d²) memory by nature (the
-    chunked form is the one that scales).
-    """
-    q, k, v, g = cast_inputs(q, k, v, g, normalize)
-    prefix = jax.lax.associative_scan(combine, token_summaries(q, k, v, g), axis=1)
-    return readout(prefix, q, normalize=normalize, eps=eps)
-
-
 def chunk_summaries(Q, K, V, g, Gam, WgV) -> Summary:
     """Each chunk's own summary; ``Q, K: [...,c,d]``, ``V, WgV = W_g V: [...,c,dv]``, ``g: [...,c]``.
 
@@ -141,33 +99,25 @@ def chunk_summaries(Q, K, V, g, Gam, WgV) -> Summary:
     return Summary(jnp.exp(jnp.sum(g, -1)), mm(Kg, V), mm(tr(K), Q), mm(Kg, WgV))
 
 
-@functools.partial(jax.jit, static_argnames=("normalize", "chunk_size", "seq_axis"))
-def ahla_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, seq_axis=None):
-    """Chunked form (SPEC §2): per chunk, with the prefix ``(P0, E0)`` of earlier chunks,
+def chunk_outputs(x: Chunks, seq_axis=None):
+    """Chunked outputs ``[B,H,N,c,dv]`` (SPEC §2): per chunk, with the prefix ``(P0, E0)`` of
+    earlier chunks,
 
         O = diag(ρ) Q E0 + diag(ρ) A_L (Q P0) + (W_g W_g) V,    A_L = L ∘ QKᵀ,  W_g = Γ ∘ QKᵀ
 
-    with local ``ρ_τ = exp(g_1+…+g_τ)`` and local ``Γ``.  Prefixes come from
-    ``exclusive_scan(combine, ·)`` over ``chunk_summaries``, preceded by the earlier shards' total
-    under ``seq_axis`` (``sequence.chunk_prefixes``).  Memory: O(T·c) plus one summary per
-    chunk; T is padded to a multiple of the chunk internally.
+    with local ``ρ`` and ``Γ``.  Prefixes: ``chunk_prefixes(combine, chunk_summaries)``.
     """
-    B, T, H, _, _ = check_qkv(q, k, v, name="ahla")
-    q, k, v, g = cast_inputs(q, k, v, g, normalize)
-    c = min(check_chunk_size(chunk_size), T)
-    g = gate_or_zeros(g, B, T, H, q.dtype)
-    Q, K, V, gc = (to_chunks(pad_time(x, c), c) for x in (q, k, v, g))  # [B,H,N,c,...]
-    Gam = decay_matrix(gc)
+    Q, K, V, g, Gam, rho = x
     A = mm(Q, tr(K))
     Wg = Gam * A
     WgV = mm(Wg, V)
-    own = chunk_summaries(Q, K, V, gc, Gam, WgV)
-    p = sequence.chunk_prefixes(combine, empty_segment(own, 2), own, 2, seq_axis)
-    rho = jnp.exp(jnp.cumsum(gc, -1))[..., None]
-    AL = causal_mask(c, A.dtype) * A
-    O = rho * (mm(Q, p.E) + mm(AL, mm(Q, p.P))) + mm(Wg, WgV)
-    O = from_chunks(O, T)
-    return ratio_last_column(O, eps) if normalize else O
+    p = chunk_prefixes(combine, chunk_summaries(Q, K, V, g, Gam, WgV), seq_axis)
+    AL = causal_mask(Q.shape[-2], A.dtype) * A
+    return rho * (mm(Q, p.E) + mm(AL, mm(Q, p.P))) + mm(Wg, WgV)
+
+
+FAMILY = hla_forms.Family("ahla", init_state, step, token_summaries, combine, readout,
+                          chunk_outputs, reference.ahla)
 
 
 @precision_from_inputs
@@ -181,16 +131,5 @@ def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
     "recurrent" | "scan" | "chunked" | "auto" (= "chunked").  ``seq_axis``: the mesh axis the
     time axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
-    check_impl(impl, IMPLS, name="ahla")
-    sequence.check_impl(impl, seq_axis, name="ahla")
-    chunk_size = check_chunk_size(chunk_size)
-    B, T, H, _, _ = check_qkv(q, k, v, name="ahla")
-    g = check_gate(g, B, T, H, name="ahla")
-    if impl == "reference":
-        return reference.ahla(q, k, v, g, normalize=normalize, eps=eps)
-    if impl == "recurrent":
-        return ahla_recurrent(q, k, v, g, normalize=normalize, eps=eps)
-    if impl == "scan":
-        return ahla_scan(q, k, v, g, normalize=normalize, eps=eps)
-    return ahla_chunked(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size,
-                        seq_axis=seq_axis)
+    return hla_forms.dispatch(FAMILY, impl, IMPLS, q, k, v, g, normalize=normalize, eps=eps,
+                              chunk_size=chunk_size, seq_axis=seq_axis)

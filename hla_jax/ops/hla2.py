@@ -14,35 +14,14 @@ Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (log-decay ``<= 0
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import reference, sequence
-from hla_jax.ops.common import (
-    cast_inputs,
-    causal_mask,
-    check_chunk_size,
-    check_gate,
-    check_impl,
-    check_qkv,
-    decay_matrix,
-    ein,
-    empty_segment,
-    from_chunks,
-    gate_or_zeros,
-    mm,
-    outer,
-    pad_time,
-    precision_from_inputs,
-    ratio_last_column,
-    scan_time,
-    state_dtype,
-    to_chunks,
-    tr,
-)
+from hla_jax.ops import hla_forms, reference
+from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, precision_from_inputs, tr
+from hla_jax.ops.hla_forms import Chunks, chunk_prefixes, finish
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
 
@@ -79,7 +58,7 @@ def readout(s, q, *, normalize: bool = False, eps: float = 1e-6):
     same leading axes), divided by the denominator column when ``normalize``."""
     qS = ein("...i,...ij->...j", q, s.S)
     o = ein("...j,...jv->...v", qS, s.C) - ein("...i,...iv->...v", q, s.G)
-    return ratio_last_column(o, eps) if normalize else o
+    return finish(o, normalize, eps)
 
 
 def step(state: State, q_t, k_t, v_t, g_t=None, *, normalize: bool = False, eps: float = 1e-6):
@@ -117,27 +96,6 @@ def combine(a: Summary, b: Summary) -> Summary:
                    r * (r * a.G + mm(b.S, a.C)) + b.G)
 
 
-@functools.partial(jax.jit, static_argnames=("normalize",))
-def hla2_recurrent(q, k, v, g=None, *, normalize=False, eps=1e-6):
-    """Serial recurrence: ``lax.scan`` of ``step`` over time, O(d² + d·dv) state per head."""
-    B, _, H, d, dv = check_qkv(q, k, v, name="hla2")
-    state = init_state(B, H, d, dv, normalize=normalize, dtype=state_dtype(q, k, v, g))
-    out, _ = scan_time(step, state, q, k, v, g, normalize=normalize, eps=eps)
-    return out
-
-
-@functools.partial(jax.jit, static_argnames=("normalize",))
-def hla2_scan(q, k, v, g=None, *, normalize=False, eps=1e-6):
-    """Token-level ``jax.lax.associative_scan(combine, token_summaries)``, then ``readout``.
-
-    Materialises a ``d×d`` and two ``d×dv`` summaries per token: O(T·d²) memory by nature (the
-    chunked form is the one that scales).
-    """
-    q, k, v, g = cast_inputs(q, k, v, g, normalize)
-    prefix = jax.lax.associative_scan(combine, token_summaries(q, k, v, g), axis=1)
-    return readout(prefix, q, normalize=normalize, eps=eps)
-
-
 def chunk_summaries(Q, K, V, g, Gam) -> Summary:
     """Each chunk's own summary; ``Q, K: [...,c,d]``, ``V: [...,c,dv]``, ``g: [...,c]``, ``Γ: [...,c,c]``.
 
@@ -151,35 +109,32 @@ def chunk_summaries(Q, K, V, g, Gam) -> Summary:
     return Summary(jnp.exp(jnp.sum(g, -1)), mm(tr(Kg), K), mm(tr(Qg), V), mm(mm(tr(K), X), V))
 
 
-@functools.partial(jax.jit, static_argnames=("normalize", "chunk_size", "seq_axis"))
-def hla2_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, seq_axis=None):
-    """Chunked form (SPEC §1): per chunk, with the prefix ``(S0, C0, G0)`` of earlier chunks,
+def chunk_outputs(x: Chunks, seq_axis=None):
+    """Chunked outputs ``[B,H,N,c,dv]`` (SPEC §1): per chunk, with the prefix ``(S0, C0, G0)`` of
+    earlier chunks,
 
         O = diag(ρ²) Q (S0 C0 − G0) + M V,
         M = diag(ρ) ((Q S0 Qᵀ) ∘ Γ) + (W_g Wᵀ) ∘ Γ,   W_g = Γ ∘ QKᵀ,  W = L ∘ QKᵀ
 
-    with local ``ρ_τ = exp(g_1+…+g_τ)`` and local ``Γ`` (SPEC's ``den = diag(ρ²) Q u0 + M 1`` is
-    the last column for ``[V | 1]``).  Prefixes come from ``exclusive_scan(combine, ·)`` over
-    ``chunk_summaries``, preceded by the earlier shards' total under ``seq_axis``
-    (``sequence.chunk_prefixes``).  Memory: O(T·c) plus one state per chunk; T is padded to a
-    multiple of the chunk internally.
+    with local ``ρ`` and ``Γ`` (SPEC's ``den = diag(ρ²) Q u0 + M 1`` is the last column for
+    ``[V | 1]``).  Prefixes: ``chunk_prefixes(combine, chunk_summaries)``.
     """
-    B, T, H, _, _ = check_qkv(q, k, v, name="hla2")
-    q, k, v, g = cast_inputs(q, k, v, g, normalize)
-    c = min(check_chunk_size(chunk_size), T)
-    g = gate_or_zeros(g, B, T, H, q.dtype)
-    Q, K, V, gc = (to_chunks(pad_time(x, c), c) for x in (q, k, v, g))  # [B,H,N,c,...]
-    Gam = decay_matrix(gc)
-    own = chunk_summaries(Q, K, V, gc, Gam)
-    p = sequence.chunk_prefixes(combine, empty_segment(own, 2), own, 2, seq_axis)
-
-    rho = jnp.exp(jnp.cumsum(gc, -1))[..., None]
+    Q, K, V, g, Gam, rho = x
+    p = chunk_prefixes(combine, chunk_summaries(Q, K, V, g, Gam), seq_axis)
     A = mm(Q, tr(K))
-    W = causal_mask(c, A.dtype) * A
+    W = causal_mask(Q.shape[-2], A.dtype) * A
     M = (rho * mm(mm(Q, p.S), tr(Q)) + mm(Gam * A, tr(W))) * Gam
-    O = rho**2 * mm(Q, mm(p.S, p.C) - p.G) + mm(M, V)
-    O = from_chunks(O, T)
-    return ratio_last_column(O, eps) if normalize else O
+    return rho**2 * mm(Q, mm(p.S, p.C) - p.G) + mm(M, V)
+
+
+def _pallas(q, k, v, g, *, normalize, eps, chunk_size):
+    from hla_jax.kernels import hla2_pallas  # the kernels import ops: resolve at call time
+
+    return hla2_pallas(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size)
+
+
+FAMILY = hla_forms.Family("hla2", init_state, step, token_summaries, combine, readout,
+                          chunk_outputs, reference.hla2)
 
 
 @precision_from_inputs
@@ -194,20 +149,6 @@ def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
     the mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
     ``ops.sequence``).
     """
-    check_impl(impl, IMPLS, name="hla2")
-    sequence.check_impl(impl, seq_axis, name="hla2")
-    chunk_size = check_chunk_size(chunk_size)
-    B, T, H, _, _ = check_qkv(q, k, v, name="hla2")
-    g = check_gate(g, B, T, H, name="hla2")
-    if impl == "reference":
-        return reference.hla2(q, k, v, g, normalize=normalize, eps=eps)
-    if impl == "recurrent":
-        return hla2_recurrent(q, k, v, g, normalize=normalize, eps=eps)
-    if impl == "scan":
-        return hla2_scan(q, k, v, g, normalize=normalize, eps=eps)
-    if impl == "pallas":
-        from hla_jax.kernels import hla2_pallas  # the kernels import ops: resolve at call time
-
-        return hla2_pallas(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size)
-    return hla2_chunked(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size,
-                        seq_axis=seq_axis)
+    return hla_forms.dispatch(FAMILY, impl, IMPLS, q, k, v, g, normalize=normalize, eps=eps,
+                              chunk_size=chunk_size, seq_axis=seq_axis,
+                              kernels={"pallas": _pallas})

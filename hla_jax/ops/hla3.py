@@ -21,29 +21,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import reference, sequence
-from hla_jax.ops.common import (
-    cast_inputs,
-    causal_mask,
-    check_chunk_size,
-    check_gate,
-    check_impl,
-    check_qkv,
-    decay_matrix,
-    ein,
-    empty_segment,
-    from_chunks,
-    gate_or_zeros,
-    mm,
-    outer,
-    pad_time,
-    precision_from_inputs,
-    ratio_last_column,
-    scan_time,
-    state_dtype,
-    to_chunks,
-    tr,
-)
+from hla_jax.ops import hla_forms, reference, sequence
+from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, precision_from_inputs, tr
+from hla_jax.ops.hla_forms import Chunks, chunk_prefixes, finish
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "auto")
 MASKS = ("causal", "paper")
@@ -59,10 +39,6 @@ def _check_mask(mask, g):
         raise ValueError(f"hla3: mask={mask!r} is not one of {MASKS}")
     if mask == "paper" and g is not None:
         raise ValueError("hla3: mask='paper' is defined without decay: g must be None")
-
-
-def _finish(o, normalize: bool, eps):
-    return ratio_last_column(o, eps) if normalize else o
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +78,7 @@ def init_state(B: int, H: int, d: int, dv: int, *, normalize: bool = False,
 
 def readout(s, q, *, normalize: bool = False, eps: float = 1e-6):
     """``o = qᵀ F`` from a causal prefix state or summary (``q: [...,d]``)."""
-    return _finish(_vq(q, s.F), normalize, eps)
+    return finish(_vq(q, s.F), normalize, eps)
 
 
 def step(state: State, q_t, k_t, v_t, g_t=None, *, normalize: bool = False, eps: float = 1e-6):
@@ -210,6 +186,11 @@ def _paper_H(s: PaperState):
     return mm(mm(s.SK, s.SQ), s.P) - s.G1 - s.G2 - s.G3
 
 
+def paper_readout(s: PaperSummary, q, *, normalize: bool = False, eps: float = 1e-6):
+    """``o = qᵀ H`` from a ``paper`` prefix summary (``q: [...,d]``)."""
+    return finish(_vq(q, s.H), normalize, eps)
+
+
 def paper_step(state: PaperState, q_t, k_t, v_t, *, normalize: bool = False, eps: float = 1e-6):
     """One token of the ``paper`` recurrence (cross summaries BEFORE the moments take token t):
 
@@ -231,7 +212,7 @@ def paper_step(state: PaperState, q_t, k_t, v_t, *, normalize: bool = False, eps
     )
     qSK = _vq(q_t, new.SK)
     o = _vq(_vq(qSK, new.SQ), new.P) - _vq(q_t, new.G1 + new.G2 + new.G3)
-    return _finish(o, normalize, eps), new
+    return finish(o, normalize, eps), new
 
 
 def paper_token_summaries(q, k, v) -> PaperSummary:
@@ -297,59 +278,21 @@ def paper_chunk(state: PaperState, Q, K, V):
 # forms
 
 
-@functools.partial(jax.jit, static_argnames=("mask", "normalize"))
-def hla3_recurrent(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6):
-    """Serial recurrence: ``lax.scan`` of ``step`` (causal) or ``paper_step`` over time,
-    O(d² + d·dv) state per head."""
-    _check_mask(mask, g)
-    B, _, H, d, dv = check_qkv(q, k, v, name="hla3")
-    dt = state_dtype(q, k, v, g)
-    if mask == "paper":
-        init = paper_init_state(B, H, d, dv, normalize=normalize, dtype=dt)
-        out, _ = scan_time(paper_step, init, q, k, v, normalize=normalize, eps=eps)
-        return out
-    init = init_state(B, H, d, dv, normalize=normalize, dtype=dt)
-    out, _ = scan_time(step, init, q, k, v, g, normalize=normalize, eps=eps)
-    return out
-
-
-@functools.partial(jax.jit, static_argnames=("mask", "normalize"))
-def hla3_scan(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6):
-    """Token-level ``jax.lax.associative_scan`` of the token summaries, then ``qᵀ F`` (causal) or
-    ``qᵀ H`` (paper).
-
-    Memory is O(T·d²) per head for causal (three ``d×d`` summaries per token) and O(T·d³·dv) for
-    paper, whose summary holds the dense map ``M`` (use it at small d only; the chunked form is
-    the one that scales).
-    """
-    _check_mask(mask, g)
-    q, k, v, g = cast_inputs(q, k, v, g, normalize)
-    if mask == "paper":
-        prefix = jax.lax.associative_scan(paper_combine, paper_token_summaries(q, k, v), axis=1)
-        return _finish(_vq(q, prefix.H), normalize, eps)
-    prefix = jax.lax.associative_scan(combine, token_summaries(q, k, v, g), axis=1)
-    return readout(prefix, q, normalize=normalize, eps=eps)
-
-
-def _causal_chunked(Q, K, V, gc, seq_axis=None):
+def _causal_chunked(x: Chunks, seq_axis=None):
     """Causal chunked outputs ``[B,H,N,c,dv]`` (SPEC §3): with the prefix ``(S0, P0, F0)``,
 
         O = diag(ρ²) Q F0 + diag(ρ²) ((Q S0 Qᵀ) ∘ L)(Q P0) + diag(ρ) ((Q S0 Qᵀ) ∘ Γ)(W_g V)
           + diag(ρ) (Γ ∘ (A W_gᵀ))(Q P0) + (Γ ∘ (W_g A_Lᵀ))(W_g V)
 
-    with ``A = QKᵀ``, ``A_L = L ∘ A``, ``W_g = Γ ∘ A``, local ``ρ`` and ``Γ``; prefixes from
-    ``exclusive_scan(combine, ·)`` over ``chunk_summaries``, preceded by the earlier shards'
-    total under ``seq_axis`` (``sequence.chunk_prefixes``).
+    with ``A = QKᵀ``, ``A_L = L ∘ A``, ``W_g = Γ ∘ A``, local ``ρ`` and ``Γ``; prefixes
+    ``chunk_prefixes(combine, chunk_summaries)``.
     """
-    c = Q.shape[-2]
-    Gam = decay_matrix(gc)
+    Q, K, V, g, Gam, rho = x
     A = mm(Q, tr(K))
     Wg = Gam * A
     WgV = mm(Wg, V)
-    own = chunk_summaries(Q, K, V, gc, Gam, Wg, WgV)
-    p = sequence.chunk_prefixes(combine, empty_segment(own, 2), own, 2, seq_axis)
-    rho = jnp.exp(jnp.cumsum(gc, -1))[..., None]
-    L = causal_mask(c, A.dtype)
+    p = chunk_prefixes(combine, chunk_summaries(Q, K, V, g, Gam, Wg, WgV), seq_axis)
+    L = causal_mask(Q.shape[-2], A.dtype)
     QS0Q = mm(mm(Q, p.S), tr(Q))
     QP0 = mm(Q, p.P)
     return (rho**2 * (mm(Q, p.F) + mm(L * QS0Q, QP0))
@@ -357,8 +300,9 @@ def _causal_chunked(Q, K, V, gc, seq_axis=None):
             + mm(Gam * mm(Wg, tr(L * A)), WgV))
 
 
-def _paper_chunked(Q, K, V, seq_axis=None):
-    """``paper`` chunked outputs ``[B,H,N,c,dv]``: a ``lax.scan`` of ``paper_chunk`` over chunks.
+def _paper_chunked(x: Chunks, seq_axis=None):
+    """``paper`` chunked outputs ``[B,H,N,c,dv]``: a ``lax.scan`` of ``paper_chunk`` over chunks
+    (no decay: ``x.g``, ``x.Gam``, ``x.rho`` are unused).
 
     Under ``seq_axis`` (shard ``j``), in two small collectives instead of gathering the
     ``d³·dv`` map of ``paper_combine``: the moments ``(SK0, SQ0, P0)`` of the earlier shards are
@@ -367,6 +311,7 @@ def _paper_chunked(Q, K, V, seq_axis=None):
     so the true prefix is ``H0 = Σ_{i<j} ΔH_i`` (a second exclusive sum) and every output gains
     ``Q (H0 − H0')`` (``o_t = q_tᵀ H_t`` is affine in the initial ``H``).
     """
+    Q, K, V = x.Q, x.K, x.V
     B, H, _, _, d = Q.shape
     init = paper_init_state(B, H, d, V.shape[-1], dtype=Q.dtype)
     if seq_axis is not None:
@@ -382,26 +327,11 @@ def _paper_chunked(Q, K, V, seq_axis=None):
     return O + mm(Q, (H0 - _paper_H(init))[:, :, None])
 
 
-@functools.partial(jax.jit, static_argnames=("mask", "normalize", "chunk_size", "seq_axis"))
-def hla3_chunked(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, chunk_size=64,
-                 seq_axis=None):
-    """Chunked form: matmuls inside chunks of ``chunk_size`` (T padded internally).
-
-    causal: ``_causal_chunked`` (chunk prefixes by the associative combine); paper:
-    ``_paper_chunked`` (a sequential pass carrying ``(SK, SQ, P, G1, G2, G3)``).  Memory O(T·c)
-    plus one state per chunk.  ``seq_axis``: the time axis is sharded (``ops.sequence``).
-    """
-    _check_mask(mask, g)
-    B, T, H, _, _ = check_qkv(q, k, v, name="hla3")
-    q, k, v, g = cast_inputs(q, k, v, g, normalize)
-    c = min(check_chunk_size(chunk_size), T)
-    Q, K, V = (to_chunks(pad_time(x, c), c) for x in (q, k, v))  # [B,H,N,c,...]
-    if mask == "paper":
-        O = _paper_chunked(Q, K, V, seq_axis)
-    else:
-        gc = to_chunks(pad_time(gate_or_zeros(g, B, T, H, q.dtype), c), c)
-        O = _causal_chunked(Q, K, V, gc, seq_axis)
-    return _finish(from_chunks(O, T), normalize, eps)
+CAUSAL = hla_forms.Family("hla3", init_state, step, token_summaries, combine, readout,
+                          _causal_chunked, functools.partial(reference.hla3, mask="causal"))
+PAPER = hla_forms.Family("hla3", paper_init_state, paper_step, paper_token_summaries,
+                         paper_combine, paper_readout, _paper_chunked,
+                         functools.partial(reference.hla3, mask="paper"))
 
 
 @precision_from_inputs
@@ -415,17 +345,7 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="aut
     "recurrent" | "scan" | "chunked" | "auto" (= "chunked").  ``seq_axis``: the mesh axis the
     time axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
-    check_impl(impl, IMPLS, name="hla3")
-    sequence.check_impl(impl, seq_axis, name="hla3")
     _check_mask(mask, g)
-    chunk_size = check_chunk_size(chunk_size)
-    B, T, H, _, _ = check_qkv(q, k, v, name="hla3")
-    g = check_gate(g, B, T, H, name="hla3")
-    if impl == "reference":
-        return reference.hla3(q, k, v, g, mask=mask, normalize=normalize, eps=eps)
-    if impl == "recurrent":
-        return hla3_recurrent(q, k, v, g, mask=mask, normalize=normalize, eps=eps)
-    if impl == "scan":
-        return hla3_scan(q, k, v, g, mask=mask, normalize=normalize, eps=eps)
-    return hla3_chunked(q, k, v, g, mask=mask, normalize=normalize, eps=eps,
-                        chunk_size=chunk_size, seq_axis=seq_axis)
+    return hla_forms.dispatch(PAPER if mask == "paper" else CAUSAL, impl, IMPLS, q, k, v, g,
+                              normalize=normalize, eps=eps, chunk_size=chunk_size,
+                              seq_axis=seq_axis)
