@@ -127,6 +127,25 @@ def test_peak_flops_and_jsonl(tmp_path):
     assert read_metrics(tmp_path, "eval") == [{"step": 3, "split": "eval", "loss": 1.0}]
 
 
+def test_tensorboard_events(tmp_path):
+    """Scalars are mirrored to a TensorBoard event file (read back record by record)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    writer = MetricWriter(tmp_path)
+    writer.write(7, "train", {"loss": 2.5, "tokens_per_s": 100.0, "mfu": None})
+    writer.close()
+    (path,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    data, scalars = path.read_bytes(), {}
+    while data:  # TFRecord: u64 length, u32 crc, payload, u32 crc
+        (n,) = struct.unpack("<Q", data[:8])
+        event = event_pb2.Event.FromString(data[12:12 + n])
+        data = data[16 + n:]
+        scalars.update({(v.tag, event.step): v.simple_value for v in event.summary.value})
+    assert scalars == {("train/loss", 7): 2.5, ("train/tokens_per_s", 7): 100.0}
+
+
 MESH_SCRIPT = """
 import json, sys
 import jax

@@ -24,12 +24,12 @@ def peak_flops(device_kind: str, override: float = 0.0):
 
 
 def _tensorboard(logdir: pathlib.Path):
-    """``scalar(tag, value, step)`` and ``flush()`` from tensorboardX, tensorboard or
-    TensorFlow, whichever imports first; None when none does."""
+    """``scalar(tag, value, step)``, ``flush()`` and ``close()`` from tensorboardX, tensorboard
+    or TensorFlow, whichever imports first; None when none does."""
     try:
         from tensorboardX import SummaryWriter
         writer = SummaryWriter(str(logdir))
-        return writer.add_scalar, writer.flush
+        return writer.add_scalar, writer.flush, writer.close
     except ImportError:
         pass
     try:
@@ -41,7 +41,7 @@ def _tensorboard(logdir: pathlib.Path):
             value = summary_pb2.Summary.Value(tag=tag, simple_value=value)
             writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
                                              summary=summary_pb2.Summary(value=[value])))
-        return scalar, writer.flush
+        return scalar, writer.flush, writer.close
     except ImportError:
         pass
     try:
@@ -52,7 +52,7 @@ def _tensorboard(logdir: pathlib.Path):
         def scalar(tag, value, step):
             with writer.as_default():
                 tf.summary.scalar(tag, value, step=step)
-        return scalar, writer.flush
+        return scalar, writer.flush, writer.close
     except ImportError:
         return None
 
@@ -81,11 +81,18 @@ class MetricWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": int(step), "split": split, **metrics}) + "\n")
         if self.tb is not None:
-            scalar, flush = self.tb
+            scalar, flush, _ = self.tb
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     scalar(f"{split}/{k}", float(v), int(step))
             flush()
+
+
+    def close(self):
+        """Flush and close the TensorBoard writer (its events may be queued until then)."""
+        if self.tb is not None:
+            self.tb[2]()
+            self.tb = None
 
 
 def read_metrics(workdir, split: str | None = None) -> list[dict]:

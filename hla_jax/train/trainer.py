@@ -159,6 +159,7 @@ def train_and_evaluate(config, workdir) -> dict:
             if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
                 ckpt.wait()
                 bar.close()
+                writer.close()
                 raise FloatingPointError(
                     f"non-finite loss {float(m['loss'])} / grad norm {float(m['grad_norm'])} at "
                     f"step {s}: stopped without saving; the last good checkpoint (step "
@@ -200,6 +201,7 @@ def train_and_evaluate(config, workdir) -> dict:
         if do_eval or do_save:
             meter.reset()
     bar.close()
+    writer.close()
     ckpt.wait()
     ckpt.close()
     return last
