@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=15
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hla_jax tests experiments configs
+	$(VENV)/bin/ruff check hla_jax tests experiments configs notebooks
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

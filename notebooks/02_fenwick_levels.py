@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -94,7 +96,8 @@ lam = jnp.asarray(rng.uniform(0.5, 1.5, size=(B, T, Hh, fenwick.num_levels(T))))
 ref = ops.loglinear_mamba2(q, k, v, g, lam, impl="reference")
 for impl in ("recurrent", "scan", "chunked"):
     out = ops.loglinear_mamba2(q, k, v, g, lam, impl=impl, chunk_size=16)
-    print(f"loglinear_mamba2 {impl:9s} vs reference: {float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)):.1e}")
+    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    print(f"loglinear_mamba2 {impl:9s} vs reference: {err:.1e}")
 ones = ops.loglinear_mamba2(q, k, v, g, jnp.ones_like(lam))
 print("λ = 1 vs plain mamba2:",
       f"{float(jnp.linalg.norm(ones - ops.mamba2(q, k, v, g)) / jnp.linalg.norm(ones)):.1e}")

@@ -1,0 +1,134 @@
+"""Shared pieces of the experiment scripts: configs by file, quiet training runs, checkpoint
+loading through the trainer's own machinery, results JSON, Markdown tables and figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+
+import jax
+import ml_collections
+import tqdm
+from flax import nnx
+from matplotlib.figure import Figure
+
+from hla_jax.train import sharding
+from hla_jax.train.checkpoint import Checkpointer, abstract_with_shardings
+from hla_jax.train.config import check_config
+from hla_jax.train.optim import make_optimizer
+from hla_jax.train.steps import token_nll
+from hla_jax.train.trainer import init_state, train_and_evaluate
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "experiments" / "results"
+
+
+def get_config(name: str, arg: str = ""):
+    """``configs/<name>.py``'s ``get_config(arg)`` (loaded by path: ``configs`` is no package)."""
+    spec = importlib.util.spec_from_file_location(f"configs_{name}", ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg or None)
+
+
+def quiet(c):
+    """Settings for runs inside a sweep: no per-step bar, no TensorBoard, synchronous saves
+    (the workdir may be deleted right after), eval and one save only at the end."""
+    c.train.update(progress_bar=False, tensorboard=False, async_checkpoint=False, eval_every=0,
+                   checkpoint_every=0, keep_checkpoints=1, sample_tokens=0)
+    c.train.log_every = min(c.train.log_every, c.train.num_steps)
+    return c
+
+
+def load_config(workdir) -> ml_collections.ConfigDict:
+    """The ``config.json`` the trainer wrote into ``workdir``."""
+    d = json.loads((pathlib.Path(workdir) / "config.json").read_text())
+    d["model"]["mixer_pattern"] = tuple(d["model"]["mixer_pattern"])
+    d["mesh"]["rules"] = tuple(tuple(r) for r in d["mesh"]["rules"])
+    return ml_collections.ConfigDict(d)
+
+
+def load_model(workdir):
+    """``(config, model, step)``: the newest checkpoint of a ``train_and_evaluate`` workdir,
+    restored with ``trainer.init_state`` shardings and ``Checkpointer`` onto this host's mesh."""
+    c = load_config(workdir)
+    mesh = sharding.make_mesh(c.mesh)
+    model_cfg = check_config(c, sharding.batch_size_per_shard(mesh), jax.process_count(),
+                             sharding.sequence_shards(mesh))
+    tx = make_optimizer(c.optim, c.train.num_steps)
+    rules = tuple(tuple(r) for r in c.mesh.rules)
+    graphdef, params, rest, opt_state, sh = init_state(model_cfg, c.seed, mesh, rules, tx)
+    ckpt = Checkpointer(pathlib.Path(workdir).absolute() / "checkpoints", async_save=False)
+    step = ckpt.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
+    abstract = abstract_with_shardings({"params": params, "opt_state": opt_state},
+                                       {"params": sh["params"], "opt_state": sh["opt_state"]})
+    state, _ = ckpt.restore(step, abstract)
+    ckpt.close()
+    return c, nnx.merge(graphdef, state["params"], rest), step
+
+
+def figure(ncols: int = 1, figsize=(6, 4), **kw):
+    """``(fig, axes[0..ncols))``: a pyplot-free Figure (no backend needed; a notebook shows it
+    with ``display(fig)``)."""
+    fig = Figure(figsize=figsize)
+    return fig, list(fig.subplots(1, ncols, squeeze=False, **kw)[0])
+
+
+def save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def read_json(path) -> dict:
+    path = pathlib.Path(path)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_json(path, obj):
+    """Write atomically (a crash mid-sweep never leaves a truncated results file)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False))
+    os.replace(tmp, path)
+
+
+def fmt(x, digits: int = 1, scale: float = 100.0) -> str:
+    """Percent-style cell: ``None`` -> "–"."""
+    return "–" if x is None else f"{scale * x:.{digits}f}"
+
+
+def markdown_table(headers, rows) -> str:
+    lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def token_nll_fn(model):
+    """Jitted ``batch -> (nll [b,T], correct [b,T])`` of ``model`` (the trainer's ``token_nll``)."""
+    graphdef, state = nnx.split(model)
+    f = jax.jit(lambda state, batch: token_nll(nnx.merge(graphdef, state), batch))
+    return lambda batch: f(state, batch)
+
+
+def train_workdirs(configs: dict, root) -> dict:
+    """Train each ``{name: config}`` into ``root/<name>`` (resuming, or skipped when already at
+    its last step); returns ``{name: workdir}``."""
+    out = {}
+    for name, c in tqdm.tqdm(configs.items(), desc="train", dynamic_ncols=True):
+        workdir = pathlib.Path(root) / name
+        ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
+        done = ckpt.latest_step() == c.train.num_steps
+        ckpt.close()
+        if not done:
+            train_and_evaluate(quiet(c), workdir)
+        out[name] = str(workdir)
+    return out
+
+
+def label(c) -> str:
+    return "+".join(c.model.mixer_pattern)

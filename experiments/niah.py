@@ -1,0 +1,189 @@
+"""Needle-in-a-haystack retrieval at several context lengths for trained ``configs/niah.py``
+checkpoints: single needle, and one needle among distractor needles.
+
+    python experiments/niah.py --workdirs runs/niah-hla2,runs/niah-softmax --lengths 512,1024,2048
+    python experiments/niah.py --train --mixers softmax,hla2 --train_seq_len 256 --steps 300 --tag tiny
+
+single: ``hla_jax.data.NIAH`` at length T (the training task, possibly longer than trained).
+multi:  ``MultiNIAH``: the same haystack and question, plus ``--needles - 1`` distractor needles
+(" The lucky number is M. ", other key words, other numbers) at random depths; the model must
+return the magic number, not a distractor. The question is unchanged, so a single-needle model
+is tested as trained (the trainer has no multi-needle data kind to train on).
+Accuracy per digit (``accuracy``) and per whole number (``row_accuracy``), from the trainer's
+``make_eval_step`` on ``--examples`` examples per cell. Softmax lengths beyond the checkpoint's
+``max_seq_len`` (RoPE table) are recorded as null. ``--train`` first trains ``configs/niah.py``
+per mixer into ``--workroot``. Writes ``niah_<tag>.{json,png,md}`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from experiments import common  # noqa: E402
+from hla_jax import data as data_lib  # noqa: E402
+from hla_jax.data.synthetic import NIAH  # noqa: E402
+from hla_jax.train.steps import make_eval_step  # noqa: E402
+
+DISTRACTOR_KEYS = ("lucky", "secret", "special", "hidden", "winning", "chosen", "best", "first")
+
+
+class MultiNIAH(NIAH):
+    """``NIAH`` with ``n_needles - 1`` distractors " The <key> number is M. " (key != magic, M a
+    different number) inserted at random depths of the filler; same question and target."""
+
+    def __init__(self, seq_len: int, n_digits: int = 5, n_needles: int = 4):
+        super().__init__(seq_len, n_digits)
+        if not 1 <= n_needles <= len(DISTRACTOR_KEYS) + 1:
+            raise ValueError(f"n_needles must be in [1, {len(DISTRACTOR_KEYS) + 1}], got {n_needles}")
+        self.n_needles = n_needles
+        longest = max(len(self._distractor(k, "0" * n_digits)) for k in DISTRACTOR_KEYS)
+        self.room -= (n_needles - 1) * longest
+        if self.room < 0:
+            raise ValueError(f"seq_len={seq_len} too short for {n_needles} needles")
+
+    @staticmethod
+    def _distractor(key: str, number: str) -> bytes:
+        return f" The {key} number is {number}. ".encode()
+
+    def example(self, rng: np.random.Generator):
+        digits = lambda: "".join(str(d) for d in rng.integers(0, 10, self.n_digits))  # noqa: E731
+        number = digits()
+        keys = rng.choice(len(DISTRACTOR_KEYS), self.n_needles - 1, replace=False)
+        pieces = [self._needle(number)] + [self._distractor(DISTRACTOR_KEYS[k], digits()) for k in keys]
+        pieces = [pieces[j] for j in rng.permutation(len(pieces))]
+        budget = self.seq_len + 1 - len(self.QUESTION) - self.n_digits - sum(map(len, pieces))
+        cuts = np.sort(rng.integers(0, budget + 1, len(pieces)))
+        sizes = np.diff(np.concatenate([[0], cuts, [budget]]))
+        text = b"".join(self._filler(rng, int(s)) + p for s, p in zip(sizes[:-1], pieces))
+        text += self._filler(rng, int(sizes[-1])) + self.QUESTION + number.encode()
+        seq = self.tok.encode(text).astype(np.int64)
+        mask = np.zeros(self.seq_len, bool)
+        mask[-self.n_digits:] = True
+        return seq[:-1], seq[1:], mask
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdirs", default="", help="comma list of trained niah workdirs")
+    p.add_argument("--train", action="store_true", help="train configs/niah.py per --mixers first")
+    p.add_argument("--mixers", default="softmax,mamba2,loglinear_mamba2,gated_deltanet,hla2")
+    p.add_argument("--train_seq_len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=0, help="--train steps (0 = config's)")
+    p.add_argument("--d_model", type=int, default=0, help="--train width override")
+    p.add_argument("--train_batch", type=int, default=0, help="--train batch override")
+    p.add_argument("--workroot", default="", help="where --train puts workdirs (default: temp)")
+    p.add_argument("--lengths", default="512,1024,2048,4096", help="eval context lengths")
+    p.add_argument("--needles", type=int, default=4, help="needles in the multi-needle test")
+    p.add_argument("--examples", type=int, default=64, help="eval examples per cell")
+    p.add_argument("--batch", type=int, default=16, help="eval batch")
+    p.add_argument("--tag", default="niah")
+    p.add_argument("--out", default=str(common.RESULTS))
+    return p.parse_args(argv)
+
+
+def train_configs(args) -> dict:
+    configs = {}
+    for mixer in filter(None, args.mixers.split(",")):
+        c = common.get_config("niah", f"mixer={mixer},seq_len={args.train_seq_len}")
+        if args.steps:
+            c.train.num_steps = args.steps
+            c.optim.warmup_steps = min(c.optim.warmup_steps, args.steps // 10)
+        if args.d_model:
+            c.model.update(d_model=args.d_model, n_heads=min(c.model.n_heads, args.d_model // 16) or 1)
+        c.data.batch_size = args.train_batch or c.data.batch_size
+        configs[mixer] = c
+    return configs
+
+
+def retrieval(workdir, lengths, needles: int, examples: int, batch: int) -> dict:
+    """``{"single"|"multi": {T: {"accuracy", "row_accuracy"} | None}}`` for one checkpoint."""
+    c, model, step = common.load_model(workdir)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    eval_step = jax.jit(make_eval_step(graphdef))
+    softmax = "softmax" in c.model.mixer_pattern
+    out = {"label": common.label(c), "workdir": str(workdir), "step": int(step),
+           "train_seq_len": c.data.seq_len, "single": {}, "multi": {}}
+    for kind in ("single", "multi"):
+        for T in lengths:
+            if softmax and T > c.model.max_seq_len:
+                out[kind][str(T)] = None
+                continue
+            n_digits = c.data.niah.n_digits
+            source = NIAH(T, n_digits) if kind == "single" else MultiNIAH(T, n_digits, needles)
+            sums = None
+            for b in range(-(-examples // batch)):  # examples rounded up to whole batches
+                x = data_lib.make_batch(source, c.data.seed, data_lib.EVAL, b, np.arange(batch)[None])
+                s = jax.device_get(eval_step(params, rest, x))
+                sums = s if sums is None else jax.tree.map(np.add, sums, s)
+            out[kind][str(T)] = {"accuracy": float(sums["correct"] / max(sums["tokens"], 1)),
+                                 "row_accuracy": float(sums["rows_correct"] / max(sums["rows"], 1))}
+    return out
+
+
+def table(res: dict) -> str:
+    lengths = res["settings"]["lengths"]
+    head = ["mixer", "train T", "test"] + [f"T={T}" for T in lengths]
+    rows = []
+    for e in res["runs"].values():
+        for kind in ("single", "multi"):
+            name = kind if kind == "single" else f"multi ({res['settings']['needles']} needles)"
+            rows.append([e["label"], e["train_seq_len"], name]
+                        + [common.fmt(None if e[kind][str(T)] is None else e[kind][str(T)]["row_accuracy"])
+                           for T in lengths])
+    return (f"NIAH whole-number accuracy (%), {res['settings']['examples']} examples per cell "
+            f"(– = beyond the softmax RoPE table).\n\n" + common.markdown_table(head, rows))
+
+
+def plot(res: dict):
+    lengths = res["settings"]["lengths"]
+    fig, axes = common.figure(2, figsize=(9, 3.6), sharey=True)
+    for ax, kind in zip(axes, ("single", "multi")):
+        for e in res["runs"].values():
+            pts = [(T, 100 * e[kind][str(T)]["row_accuracy"]) for T in lengths if e[kind][str(T)]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=e["label"])
+        ax.set(xscale="log", xlabel="context length", title=f"{kind} needle"
+               + ("" if kind == "single" else f" ({res['settings']['needles']} needles)"))
+        ax.set_xticks(lengths, [str(T) for T in lengths])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("whole-number accuracy (%)")
+    axes[0].set_ylim(-2, 102)
+    axes[1].legend(fontsize=8)
+    return fig
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    workdirs = {pathlib.Path(w).name: w for w in filter(None, args.workdirs.split(","))}
+    if args.train:
+        root = args.workroot or tempfile.mkdtemp(prefix="niah_")
+        workdirs.update(common.train_workdirs(train_configs(args), root))
+    if not workdirs:
+        raise SystemExit("give --workdirs or --train")
+    res = {"tag": args.tag, "settings": {"lengths": lengths, "needles": args.needles,
+                                         "examples": args.examples, "trained_here": args.train},
+           "runs": {name: retrieval(w, lengths, args.needles, args.examples, args.batch)
+                    for name, w in workdirs.items()}}
+    out = pathlib.Path(args.out)
+    common.write_json(out / f"niah_{args.tag}.json", res)
+    common.save(plot(res), out / f"niah_{args.tag}.png")
+    md = table(res)
+    (out / f"niah_{args.tag}.md").write_text(md + "\n")
+    print(md)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Smoke runs of the experiment scripts at tiny settings: results JSON, PNG and Markdown table."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from experiments import mqar, niah, position_loss  # noqa: E402
+from hla_jax.data import ByteTokenizer  # noqa: E402
+
+
+def _outputs(out, stem):
+    res = json.loads((out / f"{stem}.json").read_text())
+    png = (out / f"{stem}.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / f"{stem}.md").read_text()
+    assert md.count("|---|") >= 1
+    return res, md
+
+
+def test_mqar_sweep_resumes_and_keeps_checkpoints(tmp_path):
+    argv = ["--mixers", "linear", "--dims", "16", "--pairs", "4", "--lrs", "3e-3", "--seq_len", "32",
+            "--steps", "20", "--batch", "8", "--eval_steps", "1", "--tag", "t", "--out", str(tmp_path),
+            "--keep", str(tmp_path / "runs")]
+    mqar.main(argv)
+    res, md = _outputs(tmp_path, "mqar_t")
+    key = "linear/d16/kv4/lr0.003"
+    run = res["runs"][key]
+    assert set(res["runs"]) == {key} and 0.0 <= run["accuracy"] <= 1.0 and run["steps"] == 20
+    assert res["best"]["linear"]["16"]["4"]["lr"] == 3e-3
+    assert res["settings"]["seq_len"] == 32 and res["paper"]["accuracy"]["mamba2"]["16"] == 46.9
+    assert "| linear | 16 |" in md and "d=16 paper" in md
+    assert (pathlib.Path(run["workdir"]) / "checkpoints").is_dir()
+    before = (tmp_path / "mqar_t.json").read_text()
+    mqar.main(argv)  # resumable: nothing left to run, results unchanged
+    assert json.loads((tmp_path / "mqar_t.json").read_text())["runs"] == json.loads(before)["runs"]
+
+
+def test_mqar_shards_merge(tmp_path):
+    shard = json.dumps({"runs": {"hla2/d16/kv4/lr0.01": {
+        "mixer": "hla2", "dim": 16, "pairs": 4, "lr": 0.01, "accuracy": 0.5, "row_accuracy": 0.1}}})
+    (tmp_path / "mqar_m.shard0of2.json").write_text(shard)
+    (tmp_path / "mqar_m.shard1of2.json").write_text(shard.replace("0.01", "0.001").replace("0.5", "0.25"))
+    mqar.main(["--merge", "--mixers", "hla2", "--dims", "16", "--pairs", "4", "--lrs", "1e-3,1e-2",
+               "--tag", "m", "--out", str(tmp_path)])
+    res, md = _outputs(tmp_path, "mqar_m")
+    assert len(res["runs"]) == 2 and res["best"]["hla2"]["16"]["4"] == {
+        "accuracy": 0.5, "row_accuracy": 0.1, "lr": 0.01}
+    assert "| hla2 | 50.0 | – |" in md
+
+
+def test_position_loss_trains_and_reads_checkpoints(tmp_path):
+    position_loss.main(["--train", "--mixers", "linear", "--steps", "4", "--d_model", "16",
+                        "--n_layers", "1", "--train_seq_len", "32", "--train_batch", "4",
+                        "--batch", "2", "--batches", "2", "--workroot", str(tmp_path / "runs"),
+                        "--tag", "t", "--out", str(tmp_path)])
+    res, md = _outputs(tmp_path, "position_loss_t")
+    run = res["runs"]["linear"]
+    assert run["step"] == 4 and run["seq_len"] == 32 and len(run["per_position"]) == 32
+    edges = [(b["lo"], b["hi"]) for b in run["buckets"]]
+    assert edges == [(1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 33)]
+    assert all(np.isfinite(b["loss"]) for b in run["buckets"])
+    # a uniform model would have log(256) = 5.5 nats: 4 steps cannot be far from it
+    assert 3.0 < run["mean_loss"] < 7.0 and "| linear | 4 |" in md
+
+
+def test_niah_trains_and_evaluates_lengths(tmp_path):
+    niah.main(["--train", "--mixers", "linear", "--train_seq_len", "128", "--steps", "3",
+               "--d_model", "16", "--train_batch", "4", "--lengths", "128,256", "--needles", "2",
+               "--examples", "4", "--batch", "4", "--workroot", str(tmp_path / "runs"), "--tag", "t",
+               "--out", str(tmp_path)])
+    res, md = _outputs(tmp_path, "niah_t")
+    run = res["runs"]["linear"]
+    assert run["train_seq_len"] == 128 and run["step"] == 3
+    for kind in ("single", "multi"):
+        assert set(run[kind]) == {"128", "256"}
+        for v in run[kind].values():
+            assert 0.0 <= v["accuracy"] <= 1.0 and 0.0 <= v["row_accuracy"] <= 1.0
+    assert "multi (2 needles)" in md
+
+
+def test_multi_niah_hides_the_needle_among_distractors(rng):
+    source = niah.MultiNIAH(300, n_digits=5, n_needles=4)
+    inputs, targets, mask = source.example(rng)
+    assert inputs.shape == targets.shape == mask.shape == (300,) and mask.sum() == 5
+    text = ByteTokenizer().decode(np.append(inputs, targets[-1]))
+    answer = ByteTokenizer().decode(targets[mask])
+    assert text.count(" number is ") == 4 + 1  # 4 needles + the question's answer
+    assert f"The magic number is {answer}. " in text and text.endswith(f"The magic number is {answer}")
