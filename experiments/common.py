@@ -115,6 +115,29 @@ def token_nll_fn(model):
     return lambda batch: f(state, batch)
 
 
+def add_train_args(p, mixers: str, seq_len_default: int, seq_len_help: str):
+    """The ``--train`` options shared by the scripts that evaluate trained checkpoints."""
+    p.add_argument("--workdirs", default="", help="comma list of trained workdirs")
+    p.add_argument("--train", action="store_true", help="train one model per --mixers first")
+    p.add_argument("--mixers", default=mixers)
+    p.add_argument("--train_seq_len", type=int, default=seq_len_default, help=seq_len_help)
+    p.add_argument("--steps", type=int, default=0, help="--train steps (0 = the config's)")
+    p.add_argument("--d_model", type=int, default=0, help="--train width override")
+    p.add_argument("--train_batch", type=int, default=0, help="--train batch override")
+    p.add_argument("--workroot", default="", help="where --train puts workdirs (default: temp)")
+
+
+def apply_train_args(c, args):
+    """Apply the ``--train`` overrides (steps, width, batch) to config ``c`` in place."""
+    if args.steps:
+        c.train.num_steps = args.steps
+        c.optim.warmup_steps = min(c.optim.warmup_steps, args.steps // 10)
+    if args.d_model:
+        c.model.update(d_model=args.d_model, n_heads=min(c.model.n_heads, args.d_model // 16) or 1)
+    c.data.batch_size = args.train_batch or c.data.batch_size
+    return c
+
+
 def train_workdirs(configs: dict, root) -> dict:
     """Train each ``{name: config}`` into ``root/<name>`` (resuming, or skipped when already at
     its last step); returns ``{name: workdir}``."""

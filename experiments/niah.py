@@ -74,14 +74,8 @@ class MultiNIAH(NIAH):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdirs", default="", help="comma list of trained niah workdirs")
-    p.add_argument("--train", action="store_true", help="train configs/niah.py per --mixers first")
-    p.add_argument("--mixers", default="softmax,mamba2,loglinear_mamba2,gated_deltanet,hla2")
-    p.add_argument("--train_seq_len", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=0, help="--train steps (0 = config's)")
-    p.add_argument("--d_model", type=int, default=0, help="--train width override")
-    p.add_argument("--train_batch", type=int, default=0, help="--train batch override")
-    p.add_argument("--workroot", default="", help="where --train puts workdirs (default: temp)")
+    common.add_train_args(p, "softmax,mamba2,loglinear_mamba2,gated_deltanet,hla2", 1024,
+                          "--train length (configs/niah.py)")
     p.add_argument("--lengths", default="512,1024,2048,4096", help="eval context lengths")
     p.add_argument("--needles", type=int, default=4, help="needles in the multi-needle test")
     p.add_argument("--examples", type=int, default=64, help="eval examples per cell")
@@ -95,13 +89,7 @@ def train_configs(args) -> dict:
     configs = {}
     for mixer in filter(None, args.mixers.split(",")):
         c = common.get_config("niah", f"mixer={mixer},seq_len={args.train_seq_len}")
-        if args.steps:
-            c.train.num_steps = args.steps
-            c.optim.warmup_steps = min(c.optim.warmup_steps, args.steps // 10)
-        if args.d_model:
-            c.model.update(d_model=args.d_model, n_heads=min(c.model.n_heads, args.d_model // 16) or 1)
-        c.data.batch_size = args.train_batch or c.data.batch_size
-        configs[mixer] = c
+        configs[mixer] = common.apply_train_args(c, args)
     return configs
 
 

@@ -32,16 +32,10 @@ from hla_jax import data as data_lib  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdirs", default="", help="comma list of trained workdirs")
-    p.add_argument("--train", action="store_true", help="train configs/lm.py per --mixers first")
-    p.add_argument("--mixers", default="softmax,linear,mamba2,loglinear_mamba2,hla2")
+    common.add_train_args(p, "softmax,linear,mamba2,loglinear_mamba2,hla2", 0,
+                          "--train length override (0 = the size's)")
     p.add_argument("--size", default="tiny", help="configs/lm.py size when --train")
-    p.add_argument("--steps", type=int, default=0, help="--train steps (0 = the size's)")
-    p.add_argument("--d_model", type=int, default=0, help="--train width override")
     p.add_argument("--n_layers", type=int, default=0, help="--train depth override")
-    p.add_argument("--train_seq_len", type=int, default=0, help="--train length override")
-    p.add_argument("--train_batch", type=int, default=0, help="--train batch override")
-    p.add_argument("--workroot", default="", help="where --train puts workdirs (default: temp)")
     p.add_argument("--seq_len", type=int, default=0, help="eval length (0 = the checkpoint's)")
     p.add_argument("--batch", type=int, default=8, help="eval examples per batch")
     p.add_argument("--batches", type=int, default=8, help="eval batches")
@@ -53,16 +47,10 @@ def parse_args(argv=None):
 def train_configs(args) -> dict:
     configs = {}
     for mixer in filter(None, args.mixers.split(",")):
-        c = common.get_config("lm", f"mixer={mixer},size={args.size}")
-        if args.steps:
-            c.train.num_steps = args.steps
-            c.optim.warmup_steps = min(c.optim.warmup_steps, args.steps // 10)
-        if args.d_model:
-            c.model.update(d_model=args.d_model, n_heads=min(c.model.n_heads, args.d_model // 16) or 1)
+        c = common.apply_train_args(common.get_config("lm", f"mixer={mixer},size={args.size}"), args)
         if args.n_layers:
             c.model.n_layers = args.n_layers
         c.data.seq_len = args.train_seq_len or c.data.seq_len
-        c.data.batch_size = args.train_batch or c.data.batch_size
         configs[mixer] = c
     return configs
 
