@@ -7,7 +7,6 @@ Shapes follow SPEC.md: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (l
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -145,11 +144,6 @@ def decay_matrix(g):
 def causal_mask(T: int, dtype=bool):
     """``L``: lower-triangular ones including the diagonal, ``[T, T]``."""
     return jnp.tril(jnp.ones((T, T), dtype))
-
-
-def max_levels(T: int) -> int:
-    """Number of Fenwick levels ``⌈log2 T⌉ + 1`` that a sequence of length ``T`` needs."""
-    return max(1, math.ceil(math.log2(max(T, 1))) + 1)
 
 
 def exclusive_scan(combine, identity, elems, axis: int):
