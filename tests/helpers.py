@@ -99,3 +99,17 @@ def assert_forms_match(entry, args, want, tol: float, dtype, forms=("recurrent",
         out = entry(*args, impl=impl, **kw)
         assert out.dtype == dtype, f"{impl}: dtype {out.dtype}"
         assert_close(out, want, tol, impl)
+
+
+def lower_for(platform: str, fn, *args) -> str:
+    """StableHLO text of ``jax.jit(fn)`` lowered for ``platform`` ("cuda" | "tpu") on this CPU-only
+    machine: Pallas kernels go through their real Triton (H200, sm_90) or Mosaic TPU lowering, so
+    an op or shape those backends reject fails here. ``args``: arrays or ``ShapeDtypeStruct``s."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration as triton_call
+
+    h200 = lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    saved, triton_call.gpu_info_lib.get_gpu_info = triton_call.gpu_info_lib.get_gpu_info, h200
+    try:
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    finally:
+        triton_call.gpu_info_lib.get_gpu_info = saved
