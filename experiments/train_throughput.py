@@ -42,7 +42,7 @@ def run_one(a) -> dict:
     c.data.update(seq_len=a.seq_len, batch_size=a.batch)
     c.optim.update(warmup_steps=10)
     c.train.update(num_steps=a.steps, log_every=a.steps // 2, eval_every=0, eval_steps=0,
-                   sample_tokens=0, checkpoint_every=0, async_checkpoint=False, progress_bar=False,
+                   sample_tokens=0, checkpoint_every=0, async_checkpoint=False, progress_bar=True,
                    tensorboard=False)
     with tempfile.TemporaryDirectory() as workdir:
         t0 = time.perf_counter()
@@ -98,6 +98,10 @@ def main():
     os.makedirs(RESULTS, exist_ok=True)
     device = next((r["device"] for r in rows if "device" in r), "unknown").replace(" ", "_")
     path = os.path.join(RESULTS, f"train_throughput_{device}.json")
+    if os.path.exists(path):  # runs split over several invocations: keep the other mixers' rows
+        with open(path) as f:
+            ran = {r["mixer"] for r in rows}
+            rows = [r for r in json.load(f)["rows"] if r["mixer"] not in ran] + rows
     with open(path, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
     print("\n| mixer | params | tokens/s | MFU | peak GiB | final loss |\n|---|---|---|---|---|---|")

@@ -23,6 +23,7 @@ from hla_jax.ops.common import (
     check_gate,
     check_impl,
     check_qkv,
+    causal_mask,
     decay_matrix,
     empty_segment,
     from_chunks,
@@ -111,9 +112,14 @@ def chunked(family: Family, q, k, v, g=None, *, normalize=False, eps=1e-6, chunk
     B, T, H, _, _ = check_qkv(q, k, v, name=family.name)
     q, k, v, g = cast_inputs(q, k, v, g, normalize)
     c = min(check_chunk_size(chunk_size), T)
-    g = gate_or_zeros(g, B, T, H, q.dtype)
-    Q, K, V, gc = (to_chunks(pad_time(x, c), c) for x in (q, k, v, g))
-    chunks = Chunks(Q, K, V, gc, decay_matrix(gc), jnp.exp(jnp.cumsum(gc, -1))[..., None])
+    Q, K, V = (to_chunks(pad_time(x, c), c) for x in (q, k, v))
+    if g is None:  # Γ = L, ρ = 1 as constants: XLA's GPU compiler folds cumsums of zeros for minutes
+        gc = jnp.zeros(Q.shape[:4], q.dtype)
+        chunks = Chunks(Q, K, V, gc, jnp.broadcast_to(causal_mask(c, q.dtype), gc.shape + (c,)),
+                        jnp.ones(gc.shape + (1,), q.dtype))
+    else:
+        gc = to_chunks(pad_time(g.astype(q.dtype), c), c)
+        chunks = Chunks(Q, K, V, gc, decay_matrix(gc), jnp.exp(jnp.cumsum(gc, -1))[..., None])
     return finish(from_chunks(family.chunk_outputs(chunks, seq_axis), T), normalize, eps)
 
 

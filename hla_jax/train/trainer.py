@@ -40,8 +40,10 @@ def init_state(model_cfg, seed, mesh, rules, tx):
     graphdef, abs_params, abs_rest = split(nnx.eval_shape(lambda: LM(model_cfg, rngs=nnx.Rngs(seed))))
     param_sh = sharding.state_shardings(abs_params, mesh, rules)
     rest_sh = jax.tree.map(lambda _: sharding.replicated(mesh), abs_rest)
-    params, rest = jax.jit(lambda: split(LM(model_cfg, rngs=nnx.Rngs(seed)))[1:],
-                           out_shardings=(param_sh, rest_sh))()
+    # the key is an argument: a closed-over seed makes the whole init a constant that XLA's
+    # GPU compiler folds for minutes at ~150M parameters
+    params, rest = jax.jit(lambda key: split(LM(model_cfg, rngs=nnx.Rngs(key)))[1:],
+                           out_shardings=(param_sh, rest_sh))(jax.random.key(seed))
     opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abs_params), param_sh,
                                    transform_non_params=lambda _: sharding.replicated(mesh))
     opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
