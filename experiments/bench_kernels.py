@@ -1,8 +1,15 @@
-"""Benchmark the HLA2 Pallas kernel against our XLA chunked path, cuDNN causal attention and the
-first-order Mosaic GPU kernels of the ``jax-linear-attention`` wheel (``jla``), on one GPU.
+"""Benchmark our Pallas kernels (hla2, ahla, hla3, log-linear Mamba-2 and Gated DeltaNet) against
+our XLA chunked paths, cuDNN causal attention and the ``jax-linear-attention`` wheel (``jla``:
+first-order Mosaic GPU ``simple_gla`` / ``gated_deltanet`` kernels, plain-JAX
+``log_linear_simple_gla``), on one GPU.
 
     python experiments/bench_kernels.py [--T 2048,8192,32768,65536] [--tokens 65536] [--out DIR]
-    python experiments/bench_kernels.py --tune 8192 --T 8192,65536   # pick settings at one T first
+    python experiments/bench_kernels.py --tune 8192 --T 8192,65536   # pick hla2 settings first
+    python experiments/bench_kernels.py --methods hla2_pallas,cudnn_causal --budget 300
+
+``jla_log_linear_simple_gla`` runs out of memory at B·T = 65536, so it and a twin row of our
+kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384.  ``--budget`` seconds: no new
+(method, T) pair starts after it (the results so far are written).
 
 bf16, H=16, d=dv=128, B·T = ``--tokens``; forward and forward+backward (gradient of
 ``sum(o·w)`` w.r.t. q, k, v) median wall times (ms) over ``--repeats`` runs after a warm-up;
@@ -22,8 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hla_jax import ops
+from hla_jax import kernels, ops
 from hla_jax.kernels import hla2_pallas
+from hla_jax.ops import fenwick
 
 H, D = 16, 128
 
@@ -54,37 +62,69 @@ def kernel_flops(B, T, c=64, d=D, dv=D, bv=64, bv_bwd=64):
 
 
 def inputs(B, T, seed=0):
+    """``q, k, v, g, beta, lam, w`` (bf16 except the gates; λ with ⌈log2 T⌉+1 levels)."""
     rng = np.random.default_rng(seed)
     q, k, v = (jnp.asarray(rng.normal(size=(B, T, H, D)) / np.sqrt(D), jnp.bfloat16) for _ in range(3))
     k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(jnp.bfloat16)
     g = jnp.asarray(-rng.uniform(0.0, 0.1, (B, T, H)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.bfloat16)
+    lam = jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, fenwick.num_levels(T))), jnp.float32)
     w = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.bfloat16)
-    return q, k, v, g, beta, w
+    return q, k, v, g, beta, lam, w
 
 
 def fwd_bwd(fn):
-    """``jit(grad)`` of ``sum(fn(q, k, v, g, beta) * w)`` w.r.t. q, k, v (gates are arguments:
-    a closed-over gate would be a constant that ``check_gate`` tries to inspect)."""
-    loss = lambda q, k, v, g, beta, w: jnp.sum(fn(q, k, v, g, beta).astype(jnp.float32) * w)
+    """``jit(grad)`` of ``sum(fn(q, k, v, g, beta, lam) * w)`` w.r.t. q, k, v (gates are
+    arguments: a closed-over gate would be a constant that ``check_gate`` tries to inspect)."""
+    loss = lambda q, k, v, g, beta, lam, w: jnp.sum(fn(q, k, v, g, beta, lam).astype(jnp.float32) * w)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
+SMALL_TOKENS = {"jla_log_linear_simple_gla": 16384, "loglinear_mamba2_pallas_16k": 16384}
+
+
 def methods(kw):
+    """``{name: fn(q, k, v, g, beta, lam)}``; ``kw`` tunes ``hla2_pallas``."""
     out = {
-        "hla2_pallas": lambda q, k, v, g, beta: hla2_pallas(q, k, v, g, **kw),
-        "hla2_xla_chunked": lambda q, k, v, g, beta: ops.hla2(q, k, v, g, impl="chunked"),
-        "cudnn_causal": lambda q, k, v, g, beta: jax.nn.dot_product_attention(
+        "hla2_pallas": lambda q, k, v, g, beta, lam: hla2_pallas(q, k, v, g, **kw),
+        "hla2_xla_chunked": lambda q, k, v, g, beta, lam: ops.hla2(q, k, v, g, impl="chunked"),
+        "ahla_pallas": lambda q, k, v, g, beta, lam: kernels.ahla_pallas(q, k, v, g),
+        "ahla_xla_chunked": lambda q, k, v, g, beta, lam: ops.ahla(q, k, v, g, impl="chunked"),
+        "hla3_pallas": lambda q, k, v, g, beta, lam: kernels.hla3_pallas(q, k, v, g),
+        "hla3_xla_chunked": lambda q, k, v, g, beta, lam: ops.hla3(q, k, v, g, impl="chunked"),
+        "loglinear_mamba2_pallas": lambda q, k, v, g, beta, lam: kernels.loglinear_mamba2_pallas(
+            q, k, v, g, lam),
+        "loglinear_mamba2_xla_chunked": lambda q, k, v, g, beta, lam: ops.loglinear_mamba2(
+            q, k, v, g, lam, impl="chunked"),
+        "loglinear_gdn_pallas": lambda q, k, v, g, beta, lam: kernels.loglinear_gated_deltanet_pallas(
+            q, k, v, g, beta, lam),
+        "loglinear_gdn_xla_chunked": lambda q, k, v, g, beta, lam: ops.loglinear_gated_deltanet(
+            q, k, v, g, beta, lam, impl="chunked"),
+        "cudnn_causal": lambda q, k, v, g, beta, lam: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn"),
     }
     try:
         from jla.ops import linear_attention
-        out["jla_gated_deltanet"] = lambda q, k, v, g, beta: linear_attention(
-            "gated_deltanet", q, k, v, g=g, beta=beta, impl="mosaic_gpu")[0]
-        out["jla_simple_gla"] = lambda q, k, v, g, beta: linear_attention(
-            "simple_gla", q, k, v, g=g, impl="mosaic_gpu")[0]
+        from jla.ops.log_linear import num_levels as jla_levels
     except ImportError as e:
         print("jla not importable:", e)
+        return out
+
+    def jla_lam(lam, T):  # the wheel's own level count (λ = 1 on levels it has and we don't)
+        L = jla_levels(T)
+        return lam[..., :L] if lam.shape[-1] >= L else jnp.pad(
+            lam, ((0, 0),) * 3 + ((0, L - lam.shape[-1]),), constant_values=1.0)
+
+    out |= {
+        "jla_gated_deltanet": lambda q, k, v, g, beta, lam: linear_attention(
+            "gated_deltanet", q, k, v, g=g, beta=beta, impl="mosaic_gpu")[0],
+        "jla_simple_gla": lambda q, k, v, g, beta, lam: linear_attention(
+            "simple_gla", q, k, v, g=g, impl="mosaic_gpu")[0],
+        "jla_log_linear_simple_gla": lambda q, k, v, g, beta, lam: linear_attention(
+            "log_linear_simple_gla", q, k, v, g=g, level_scales=jla_lam(lam, q.shape[1]),
+            impl="chunked")[0],
+        "loglinear_mamba2_pallas_16k": out["loglinear_mamba2_pallas"],
+    }
     return out
 
 
@@ -101,10 +141,10 @@ def tune(T, tokens, repeats):
     best = (float("inf"), None)
     for bv, bvb, nw, nwb in [(64, 64, 8, 8), (64, 32, 8, 4), (64, 32, 8, 8), (128, 32, 8, 4)]:
         kw = dict(block_v=bv, block_v_bwd=bvb, num_warps=nw, num_warps_bwd=nwb)
-        fn = lambda q, k, v, g, beta, kw=kw: hla2_pallas(q, k, v, g, **kw)
+        fn = lambda q, k, v, g, beta, lam, kw=kw: hla2_pallas(q, k, v, g, **kw)
         try:
             t0 = time.perf_counter()
-            f = timeit(jax.jit(fn), *args[:5], repeats=repeats)
+            f = timeit(jax.jit(fn), *args[:6], repeats=repeats)
             fb = timeit(fwd_bwd(fn), *args, repeats=repeats)
             print(f"(with compiles {time.perf_counter() - t0:.0f} s)", end=" ")
             print(f"tune T={T} {kw}: fwd {f:.2f} ms  fwd+bwd {fb:.2f} ms", flush=True)
@@ -121,6 +161,8 @@ def main():
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--tune", type=int, default=0, help="first pick kernel settings at this T")
     p.add_argument("--skip", default="", help="comma-separated methods to leave out")
+    p.add_argument("--methods", default="", help="comma-separated methods to run (default: all)")
+    p.add_argument("--budget", type=float, default=0, help="seconds; 0 = no limit")
     p.add_argument("--block_v", type=int, default=64)
     p.add_argument("--block_v_bwd", type=int, default=64)
     p.add_argument("--num_warps", type=int, default=8)
@@ -133,16 +175,24 @@ def main():
         kw = tune(a.tune, a.tokens, a.repeats) or kw
     mm = matmul_tflops()
     print(f"bf16 matmul 8192^3: {mm:.0f} TFLOP/s", flush=True)
-    rows = []
+    rows, t_start = [], time.perf_counter()
+    chosen = methods(kw)
+    if a.methods:
+        chosen = {n: f for n, f in chosen.items() if n in a.methods.split(",")}
     for T in (int(t) for t in a.T.split(",")):
-        B = a.tokens // T
-        args = inputs(B, T)
-        for name, fn in methods(kw).items():
+        data = {}
+        for name, fn in chosen.items():
             if name in a.skip.split(","):
                 continue
+            if a.budget and time.perf_counter() - t_start > a.budget:
+                print(f"budget of {a.budget:.0f} s spent: {name} at T={T} and later not run", flush=True)
+                break
+            tokens = SMALL_TOKENS.get(name, a.tokens)
+            B = max(tokens // T, 1)
+            args = data[B] = data.get(B) or inputs(B, T)
             row = dict(method=name, T=T, B=B)
             try:
-                row["fwd_ms"] = timeit(jax.jit(fn), *args[:5], repeats=a.repeats)
+                row["fwd_ms"] = timeit(jax.jit(fn), *args[:6], repeats=a.repeats)
                 row["fwd_bwd_ms"] = timeit(fwd_bwd(fn), *args, repeats=a.repeats)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -177,8 +227,10 @@ def table(res):
         cs = []
         for T in Ts:
             r = cell.get((n, T), {})
-            cs.append(f"{r['fwd_ms']:.2f} / {r['fwd_bwd_ms']:.2f}" if "fwd_bwd_ms" in r else "–")
-        lines.append(f"| {n} | " + " | ".join(cs) + " |")
+            cs.append(f"{r['fwd_ms']:.2f} / {r['fwd_bwd_ms']:.2f}" if "fwd_bwd_ms" in r else
+                      "error" if "error" in r else "–")
+        small = f" (B·T={SMALL_TOKENS[n]})" if n in SMALL_TOKENS else ""
+        lines.append(f"| {n}{small} | " + " | ".join(cs) + " |")
     for n in (n for n in names if n.startswith("hla2_pallas")):
         for key in ("fwd_tflops", "fwd_bwd_tflops"):
             cs = [f"{cell[(n, T)][key]:.0f}" if key in cell.get((n, T), {}) else "–" for T in Ts]

@@ -1,7 +1,10 @@
-"""HLA2 Pallas kernel vs the quadratic reference on the GPU: outputs and gradients (q, k, v, g).
+"""Every Pallas kernel vs the quadratic reference on the GPU: outputs and all gradients.
 
-    python experiments/check_kernels_gpu.py [--out DIR]
+    python experiments/check_kernels_gpu.py [--kernels hla2,ahla] [--cases 0,3] [--out DIR]
 
+Kernels: ``hla2``, ``ahla``, ``hla3`` (causal), ``loglinear_mamba2``, ``loglinear_gated_deltanet``
+(``hla_jax.kernels.<name>_pallas``, compiled, not interpreted).  Gradients of ``sum(o·w)`` with
+respect to every differentiable input (q, k, v, g, and β, λ where the operator has them).
 float32 inputs must agree to relative error 2e-3; bf16 inputs (compared with the float32
 reference on the same bf16-rounded values) to 3e-2.  Prints one line per case and writes
 ``kernels_check_gpu.json`` (and ``.txt``) to ``--out`` (default experiments/results).
@@ -18,17 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hla_jax.kernels import hla2_pallas
-from hla_jax.ops import reference
+from hla_jax import kernels
+from hla_jax.ops import fenwick, reference
 
-CASES = [  # B, T, H, d, dv, gate, normalize, dtype
-    (2, 300, 2, 64, 64, None, False, "float32"),
-    (2, 300, 2, 64, 64, "token", False, "float32"),
-    (1, 700, 2, 128, 128, "token", True, "float32"),
-    (1, 513, 3, 128, 96, "head", False, "float32"),
-    (1, 450, 2, 48, 128, "token", True, "float32"),
-    (2, 1000, 2, 128, 128, "token", False, "bfloat16"),
-    (1, 700, 2, 64, 64, None, True, "bfloat16"),
+HLA = ("hla2", "ahla", "hla3")
+CASES = [  # kernel, B, T, H, d, dv, gate, normalize, dtype
+    *[(n, 2, 300, 2, 64, 64, "token", False, "float32") for n in HLA],
+    *[(n, 1, 700, 2, 128, 128, "token", True, "float32") for n in HLA],
+    *[(n, 1, 513, 3, 128, 96, None, False, "float32") for n in HLA],
+    *[(n, 2, 1000, 2, 128, 128, "head", False, "bfloat16") for n in HLA],
+    *[(n, B, T, 2, 128, dv, "token", False, dt) for n in ("loglinear_mamba2", "loglinear_gated_deltanet")
+      for B, T, dv, dt in ((2, 300, 64, "float32"), (1, 1000, 128, "float32"), (2, 1000, 128, "bfloat16"))],
 ]
 
 
@@ -37,35 +40,63 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b)) if np.all(np.isfinite(a)) else float("inf")
 
 
-def run_case(rng, B, T, H, d, dv, gate, normalize, dtype):
+def operands(rng, name, B, T, H, d, dv, gate, dtype):
+    """``(args, names)``: the operator's positional inputs (keys L2-normalised and β in (0, 1)
+    for Gated DeltaNet, λ with ⌈log2 T⌉+1 levels for the log-linear ones)."""
     dt = jnp.dtype(dtype)
-    q, k = (jnp.asarray(rng.normal(size=(B, T, H, d)) / np.sqrt(d), dt) for _ in range(2))
-    v = jnp.asarray(rng.normal(size=(B, T, H, dv)), dt)
-    g = {None: None, "head": jnp.asarray(-rng.uniform(0, 0.2, H), jnp.float32),
-         "token": jnp.asarray(-rng.uniform(0, 0.2, (B, T, H)), jnp.float32)}[gate]
+    q, k = (rng.normal(size=(B, T, H, d)) / np.sqrt(d) for _ in range(2))
+    if name == "loglinear_gated_deltanet":
+        k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    args = [jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(rng.normal(size=(B, T, H, dv)), dt)]
+    names = ["q", "k", "v"]
+    if gate is not None:
+        shape = (H,) if gate == "head" else (B, T, H)
+        args.append(jnp.asarray(-rng.uniform(0, 0.2, shape), jnp.float32))
+        names.append("g")
+    if name == "loglinear_gated_deltanet":
+        args.append(jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.float32))
+        names.append("beta")
+    if name.startswith("loglinear"):
+        args.append(jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, fenwick.num_levels(T))), jnp.float32))
+        names.append("lam")
+    return args, names
+
+
+def run_case(rng, name, B, T, H, d, dv, gate, normalize, dtype):
+    args, names = operands(rng, name, B, T, H, d, dv, gate, dtype)
     w = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.float32)
-    args = (q, k, v) if g is None else (q, k, v, g)
     argnums = tuple(range(len(args)))
+    kw = dict(normalize=normalize, eps=1e-6) if name in HLA else {}
+    oracle = getattr(reference, name)
+
+    def ref(*a):
+        a = [x.astype(jnp.float32) for x in a]
+        if name in HLA and len(a) == 4:  # the oracles take [B,T,H] gates
+            a[3] = jnp.broadcast_to(a[3], a[0].shape[:3])
+        return oracle(*a, **kw)
+
+    ker = lambda *a: getattr(kernels, f"{name}_pallas")(*a, **kw)
 
     def loss(fn):
         return lambda *a: jnp.sum(fn(*a) * w)
 
-    ker = lambda *a: hla2_pallas(*a, normalize=normalize, eps=1e-6)
-    ref = lambda *a: reference.hla2(*(x.astype(jnp.float32) for x in a), normalize=normalize)
     out = {"out": rel(jax.jit(ker)(*args), jax.jit(ref)(*args))}
     gk = jax.jit(jax.grad(loss(ker), argnums))(*args)
     gr = jax.jit(jax.grad(loss(ref), argnums))(*args)
-    for name, a, b in zip("qkvg", gk, gr):
-        out["d" + name] = rel(a, b)
+    for n, a, b in zip(names, gk, gr):
+        out["d" + n] = rel(a, b)
     return out
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--kernels", default="", help="comma-separated kernel names (default: all)")
     p.add_argument("--cases", default="", help="comma-separated case indices (default: all)")
     a = p.parse_args()
     picked = [CASES[int(i)] for i in a.cases.split(",")] if a.cases else CASES
+    if a.kernels:
+        picked = [c for c in picked if c[0] in a.kernels.split(",")]
     rng = np.random.default_rng(0)
     rows, lines, ok = [], [], True
     for case in picked:
@@ -77,7 +108,7 @@ def main():
         except Exception as e:  # record the failure, keep checking the other cases
             errs, passed = {"error": f"{type(e).__name__}: {str(e)[:400]}"}, False
         ok &= passed
-        rows.append(dict(case=dict(zip("B T H d dv gate normalize dtype".split(), case)),
+        rows.append(dict(case=dict(zip("kernel B T H d dv gate normalize dtype".split(), case)),
                          tol=tol, passed=passed, errors=errs))
         lines.append(f"{'PASS' if passed else 'FAIL'} {case} tol={tol:g} " +
                      " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"

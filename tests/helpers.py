@@ -105,7 +105,8 @@ def lower_for(platform: str, fn, *args) -> str:
     """StableHLO text of ``jax.jit(fn)`` lowered for ``platform`` ("cuda" | "tpu") on this CPU-only
     machine: Pallas kernels go through their real Triton (H200, sm_90) or Mosaic TPU lowering, so
     an op or shape those backends reject fails here. ``args``: arrays or ``ShapeDtypeStruct``s."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration as triton_call
+    from jax._src.pallas.triton import gpu_info
+    from jax._src.pallas.triton import pallas_call_registration as triton_call
 
     h200 = lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
     saved, triton_call.gpu_info_lib.get_gpu_info = triton_call.gpu_info_lib.get_gpu_info, h200

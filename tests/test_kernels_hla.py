@@ -120,3 +120,34 @@ def test_hla2_pallas_lowers_for_hardware(platform, c):
     text = lower_for(platform, jax.grad(loss, argnums=(0, 1, 2, 3)), x(B, T, H, d), x(B, T, H, d),
                      x(B, T, H, dv), jax.ShapeDtypeStruct((B, T, H), jnp.float32))
     assert text.count(KERNEL_CALL[platform]) >= 4  # forward, saved-state forward, backward; ×2 (den)
+
+
+@pytest.mark.parametrize("name,extra", [("ahla", {}), ("hla3", {}), ("loglinear_mamba2", {"lam": 1}),
+                                        ("loglinear_gated_deltanet", {"beta": 1, "lam": 1})])
+def test_every_kernel_is_an_ops_impl(rng, name, extra):
+    """``ops.<name>(..., impl="pallas")`` runs the family's kernel (interpret mode on CPU)."""
+    from hla_jax import ops
+    from hla_jax.ops import fenwick
+
+    B, T, H, d, dv = 1, 40, 2, 16, 16
+    q, k, v = make_qkv(rng, B, T, H, d, dv)
+    g = make_gate(rng, B, T, H)
+    kw = {}
+    if "beta" in extra:
+        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+        kw["beta"] = jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.float32)
+    if "lam" in extra:
+        kw["lam"] = jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, fenwick.num_levels(T))), jnp.float32)
+    entry = getattr(ops, name)
+    assert_close(entry(q, k, v, g, *kw.values(), impl="pallas", chunk_size=16),
+                 entry(q, k, v, g, *kw.values(), impl="reference"), TOL)
+
+
+def test_pallas_impl_is_refused_where_there_is_no_kernel(rng):
+    from hla_jax import ops
+
+    q, k, v = make_qkv(rng, 1, 16, 1, 16, 16)
+    with pytest.raises(ValueError, match="pallas"):
+        ops.hla3(q, k, v, mask="paper", impl="pallas")
+    with pytest.raises(ValueError, match="pallas"):
+        ops.mamba2(q, k, v, make_gate(rng, 1, 16, 1), impl="pallas")

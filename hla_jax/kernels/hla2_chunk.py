@@ -36,7 +36,7 @@ def dot(a, b, ta: bool = False, tb: bool = False):
                                preferred_element_type=acc)
 
 
-def _decays(bb):
+def decays(bb):
     """``ρ, ρ_c, γ, Γ, L`` from the local log cumulative decay ``bb: [c]`` (non-increasing)."""
     c = bb.shape[0]
     rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -47,7 +47,7 @@ def _decays(bb):
     return jnp.exp(bb), jnp.exp(bc), jnp.exp(bc - bb), gam_mat, lower
 
 
-def _at_end(x, c):
+def at_end(x, c):
     """A ``[c]`` vector with the scalar ``x`` at the last position (the chunk end's ``b``)."""
     return jnp.where(jax.lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1, x, 0.0)
 
@@ -56,7 +56,7 @@ def chunk_forward(Q, K, V, bb, S, U):
     """``(O [c,bv], S1 [d,d], U1 [d,bv])`` from ``Q, K [c,d]``, ``V [c,bv]``, ``bb [c]`` and the
     incoming ``S [d,d]``, ``U [d,bv]`` (float32)."""
     dt = Q.dtype
-    r, rc, gam, Gam, lower = _decays(bb)
+    r, rc, gam, Gam, lower = decays(bb)
     A = dot(Q, K, tb=True)
     W = jnp.where(lower, A, 0.0)
     P = dot(Q, S.astype(dt))
@@ -77,7 +77,7 @@ def chunk_backward(Q, K, V, bb, S, U, dO, dS1, dU1):
     symmetric, and spares transposes of the ``d×d`` state."""
     dt = Q.dtype
     c = Q.shape[0]
-    r, rc, gam, Gam, lower = _decays(bb)
+    r, rc, gam, Gam, lower = decays(bb)
     A = dot(Q, K, tb=True)
     W = jnp.where(lower, A, 0.0)
     Wg = Gam * A
@@ -121,5 +121,5 @@ def chunk_backward(Q, K, V, bb, S, U, dO, dS1, dU1):
     end = (0.5 * rc * jnp.sum(dS1 * S) + jnp.sum(e) + 2 * rc * rc * jnp.sum(dU1 * U)
            + 2 * jnp.sum(f) + 2 * jnp.sum(HY))
     db = (2 * (r * r) * jnp.sum(dO * QU0, 1) + row_minus_col(dM * M) + jnp.sum(D * rB1, 1)
-          + row_minus_col(dWg * Wg) - e - f - jnp.sum(HY, 1) - jnp.sum(HY, 0) + _at_end(end, c))
+          + row_minus_col(dWg * Wg) - e - f - jnp.sum(HY, 1) - jnp.sum(HY, 0) + at_end(end, c))
     return dQ, dK, dV, db, dS0, dU0

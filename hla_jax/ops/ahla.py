@@ -23,7 +23,7 @@ from hla_jax.ops import hla_forms, reference
 from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, precision_from_inputs, tr
 from hla_jax.ops.hla_forms import Chunks, chunk_prefixes, finish
 
-IMPLS = ("reference", "recurrent", "scan", "chunked", "auto")
+IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
 
 
 class State(NamedTuple):
@@ -128,8 +128,10 @@ def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
 
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
     ``None``.  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
-    "recurrent" | "scan" | "chunked" | "auto" (= "chunked").  ``seq_axis``: the mesh axis the
-    time axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
+    "recurrent" | "scan" | "chunked" | "pallas" (``hla_jax.kernels.ahla_pallas``; interpret mode
+    on CPU) | "auto" (= "chunked").  ``seq_axis``: the mesh axis the time axis is sharded over,
+    inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
     return hla_forms.dispatch(FAMILY, impl, IMPLS, q, k, v, g, normalize=normalize, eps=eps,
-                              chunk_size=chunk_size, seq_axis=seq_axis)
+                              chunk_size=chunk_size, seq_axis=seq_axis,
+                              kernels={"pallas": hla_forms.pallas("ahla")})

@@ -127,12 +127,6 @@ def chunk_outputs(x: Chunks, seq_axis=None):
     return rho**2 * mm(Q, mm(p.S, p.C) - p.G) + mm(M, V)
 
 
-def _pallas(q, k, v, g, *, normalize, eps, chunk_size):
-    from hla_jax.kernels import hla2_pallas  # the kernels import ops: resolve at call time
-
-    return hla2_pallas(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size)
-
-
 FAMILY = hla_forms.Family("hla2", init_state, step, token_summaries, combine, readout,
                           chunk_outputs, reference.hla2)
 
@@ -151,4 +145,4 @@ def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
     """
     return hla_forms.dispatch(FAMILY, impl, IMPLS, q, k, v, g, normalize=normalize, eps=eps,
                               chunk_size=chunk_size, seq_axis=seq_axis,
-                              kernels={"pallas": _pallas})
+                              kernels={"pallas": hla_forms.pallas("hla2")})

@@ -25,7 +25,7 @@ from hla_jax.ops import hla_forms, reference, sequence
 from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, precision_from_inputs, tr
 from hla_jax.ops.hla_forms import Chunks, chunk_prefixes, finish
 
-IMPLS = ("reference", "recurrent", "scan", "chunked", "auto")
+IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
 MASKS = ("causal", "paper")
 
 
@@ -342,10 +342,13 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="aut
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
     ``None`` (``mask="paper"`` has no decay: ``g`` must be ``None``).  ``mask``: "causal" |
     "paper".  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
-    "recurrent" | "scan" | "chunked" | "auto" (= "chunked").  ``seq_axis``: the mesh axis the
-    time axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
+    "recurrent" | "scan" | "chunked" | "pallas" (``hla_jax.kernels.hla3_pallas``, causal mask
+    only; interpret mode on CPU) | "auto" (= "chunked").  ``seq_axis``: the mesh axis the time
+    axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
     _check_mask(mask, g)
+    if mask == "paper" and impl == "pallas":
+        raise ValueError("hla3: impl='pallas' has a kernel for mask='causal' only")
     return hla_forms.dispatch(PAPER if mask == "paper" else CAUSAL, impl, IMPLS, q, k, v, g,
                               normalize=normalize, eps=eps, chunk_size=chunk_size,
-                              seq_axis=seq_axis)
+                              seq_axis=seq_axis, kernels={"pallas": hla_forms.pallas("hla3")})

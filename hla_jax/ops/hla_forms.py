@@ -19,15 +19,14 @@ import jax.numpy as jnp
 from hla_jax.ops import sequence
 from hla_jax.ops.common import (
     cast_inputs,
+    causal_mask,
     check_chunk_size,
     check_gate,
     check_impl,
     check_qkv,
-    causal_mask,
     decay_matrix,
     empty_segment,
     from_chunks,
-    gate_or_zeros,
     pad_time,
     ratio_last_column,
     scan_time,
@@ -121,6 +120,17 @@ def chunked(family: Family, q, k, v, g=None, *, normalize=False, eps=1e-6, chunk
         gc = to_chunks(pad_time(g.astype(q.dtype), c), c)
         chunks = Chunks(Q, K, V, gc, decay_matrix(gc), jnp.exp(jnp.cumsum(gc, -1))[..., None])
     return finish(from_chunks(family.chunk_outputs(chunks, seq_axis), T), normalize, eps)
+
+
+def pallas(name: str):
+    """``impl="pallas"`` of the family ``name``: ``hla_jax.kernels.<name>_pallas`` (imported at call
+    time: the kernels import ops), with the ``dispatch`` kernel signature."""
+    def kernel(q, k, v, g, *, normalize, eps, chunk_size):
+        from hla_jax import kernels
+
+        fn = getattr(kernels, f"{name}_pallas")
+        return fn(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size)
+    return kernel
 
 
 def dispatch(family: Family, impl, impls, q, k, v, g=None, *, normalize=False, eps=1e-6,

@@ -23,7 +23,8 @@ from jax.scipy.linalg import solve_triangular
 
 from hla_jax.ops import common, fenwick, reference, sequence
 
-IMPLS = ("reference", "recurrent", "scan", "chunked", "auto")
+IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
+KERNELS = ("loglinear_mamba2", "loglinear_gated_deltanet")  # the entries with impl="pallas"
 
 
 def _mul(A, X):
@@ -328,6 +329,8 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
     impl = common.check_impl(impl, IMPLS, name=name)
+    if impl == "pallas" and name not in KERNELS:
+        raise ValueError(f"{name}: impl='pallas' has kernels for {KERNELS} only")
     sequence.check_impl(impl, seq_axis, name=name)
     chunk_size = common.check_chunk_size(chunk_size)
     B, T, H, _, _ = common.check_qkv(q, k, v, name=name)
@@ -340,6 +343,11 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
         fenwick.chunk_log2(chunk_size)
     if impl == "reference":
         return _reference(q, k, v, g, beta, lam)
+    if impl == "pallas":  # hla_jax.kernels.<name>_pallas; the kernels import ops: resolve here
+        from hla_jax import kernels
+
+        extra = () if beta is None else (beta,)
+        return getattr(kernels, f"{name}_pallas")(q, k, v, g, *extra, lam, chunk_size=chunk_size)
     with common.matmul_precision(q, k, v):
         if impl in ("recurrent", "scan"):
             return _JITTED[impl](q, k, v, g, beta, lam)

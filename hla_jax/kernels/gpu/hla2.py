@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 from hla_jax.kernels.hla2_chunk import F32, chunk_backward, chunk_forward
 
 
-def _params(num_warps, interpret):
+def compiler_params(num_warps, interpret):
     return None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
@@ -66,7 +66,7 @@ def forward(q, k, v, b, *, c, bv, save_states=False, num_warps=8, interpret=Fals
         out_shape += [jax.ShapeDtypeStruct((B, H, N, d, d), q.dtype),
                       jax.ShapeDtypeStruct((B, H, N, d, dv), q.dtype)]
     out = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, dv // bv),
-                         compiler_params=_params(num_warps, interpret),
+                         compiler_params=compiler_params(num_warps, interpret),
                          interpret=interpret)(q, k, v, b)
     return tuple(out) if save_states else out[0]
 
@@ -103,5 +103,5 @@ def backward(q, k, v, b, S, U, do, *, c, bv, num_warps=8, interpret=False):
                  jax.ShapeDtypeStruct((B, Tp, H, dv), F32),
                  jax.ShapeDtypeStruct((nv, B, H, Tp), F32)]
     return tuple(pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, nv),
-                                compiler_params=_params(num_warps, interpret),
+                                compiler_params=compiler_params(num_warps, interpret),
                                 interpret=interpret)(q, k, v, b, S, U, do))

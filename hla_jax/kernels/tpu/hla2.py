@@ -22,11 +22,11 @@ from jax.experimental.pallas import tpu as pltpu
 from hla_jax.kernels.hla2_chunk import F32, chunk_backward, chunk_forward
 
 
-def _heads_first(x):
+def heads_first(x):
     return jnp.swapaxes(x, 1, 2)  # [B,Tp,H,·] <-> [B,H,Tp,·]
 
 
-def _specs(c, d, dv, rev, N):
+def specs(c, d, dv, rev, N):
     """Per-chunk blocks of q, k, v and the gate; ``rev`` walks the chunks backwards."""
     n_of = (lambda n: N - 1 - n) if rev else (lambda n: n)
     tile = lambda w: pl.BlockSpec((None, None, c, w), lambda i, h, n: (i, h, n_of(n), 0))
@@ -35,7 +35,7 @@ def _specs(c, d, dv, rev, N):
     return tile, gate, state
 
 
-def _params(interpret):
+def compiler_params(interpret):
     return None if interpret else pltpu.CompilerParams(
         dimension_semantics=("parallel", "parallel", "arbitrary"))
 
@@ -46,7 +46,7 @@ def forward(q, k, v, b, *, c, bv=None, save_states=False, num_warps=None, interp
     B, Tp, H, d = q.shape
     dv = v.shape[-1]
     N = Tp // c
-    tile, gate, state = _specs(c, d, dv, False, N)
+    tile, gate, state = specs(c, d, dv, False, N)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, o_ref, *rest):
         s_scr, u_scr = rest[-2:]
@@ -74,9 +74,9 @@ def forward(q, k, v, b, *, c, bv=None, save_states=False, num_warps=None, interp
         kernel, out_shape=out_shape, grid=(B, H, N),
         in_specs=[tile(d), tile(d), tile(dv), gate], out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((d, d), F32), pltpu.VMEM((d, dv), F32)],
-        compiler_params=_params(interpret), interpret=interpret,
-    )(_heads_first(q), _heads_first(k), _heads_first(v), b.reshape(B, H, N, 1, c))
-    O = _heads_first(out[0])
+        compiler_params=compiler_params(interpret), interpret=interpret,
+    )(heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, N, 1, c))
+    O = heads_first(out[0])
     return (O, out[1], out[2]) if save_states else O
 
 
@@ -86,7 +86,7 @@ def backward(q, k, v, b, S, U, do, *, c, bv=None, num_warps=None, interpret=Fals
     B, Tp, H, d = q.shape
     dv = v.shape[-1]
     N = Tp // c
-    tile, gate, state = _specs(c, d, dv, True, N)
+    tile, gate, state = specs(c, d, dv, True, N)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, s_ref, u_ref, do_ref, dq_ref, dk_ref, dv_ref, db_ref,
                ds_scr, du_scr):
@@ -107,8 +107,8 @@ def backward(q, k, v, b, S, U, do, *, c, bv=None, num_warps=None, interpret=Fals
         in_specs=[tile(d), tile(d), tile(dv), gate, state(d), state(dv), tile(dv)],
         out_specs=[tile(d), tile(d), tile(dv), gate],
         scratch_shapes=[pltpu.VMEM((d, d), F32), pltpu.VMEM((d, dv), F32)],
-        compiler_params=_params(interpret), interpret=interpret,
-    )(_heads_first(q), _heads_first(k), _heads_first(v), b.reshape(B, H, N, 1, c), S, U,
-      _heads_first(do))
-    return (_heads_first(dq)[None], _heads_first(dk)[None], _heads_first(dvv),
+        compiler_params=compiler_params(interpret), interpret=interpret,
+    )(heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, N, 1, c), S, U,
+      heads_first(do))
+    return (heads_first(dq)[None], heads_first(dk)[None], heads_first(dvv),
             db.reshape(1, B, H, Tp))

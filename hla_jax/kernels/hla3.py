@@ -1,0 +1,40 @@
+"""``hla3_pallas``: causal third-order HLA (SPEC §3, ``mask="causal"``) through Pallas kernels,
+differentiable.
+
+Same semantics as ``hla_jax.ops.hla3(..., mask="causal")``: ``q, k: [B,T,H,d]``,
+``v: [B,T,H,dv]``, ``g`` a log-decay ``[B,T,H]``, ``[H]`` or ``None``; returns ``[B,T,H,dv]``
+float32, divided by ``clamp_signed(den, eps)`` when ``normalize`` (``den`` is the same operator
+with ``v = 1``, run as a second kernel call on a 16-wide value tile ``[1, 0, …, 0]``).
+The ``paper`` semantics has no kernel.
+
+Same design as ``hla2_pallas`` (plumbing in ``kernels/wrap.py``): one program per (batch, head,
+value tile) walks the chunks with the float32 state ``S: d×d`` (shared by all value tiles, each
+recomputes it) and ``P, F: d×bv`` on chip (``kernels/hla3_chunk.py``); ``jax.custom_vjp`` whose
+backward re-runs the forward to save every chunk's incoming state, then walks the chunks in
+reverse with the cotangent state ``(dS + dSᵀ, dP, dF)``.  The backward's value tile defaults to
+32 (``block_v_bwd``): its carry at ``d = 128`` is then 64 KiB (``dS``) + 32 KiB (``dP, dF``) of
+float32, as HLA2's backward at its 64-wide tile.  The NVIDIA path (``kernels/gpu/hla3``, Triton)
+is checked to lower for an H200; the TPU path (``kernels/tpu/hla3``, Mosaic) is tested in
+interpret mode only: no TPU was available.
+"""
+
+from __future__ import annotations
+
+from hla_jax.kernels.wrap import pallas_operator
+
+BLOCK_V_BWD = 32
+
+
+def hla3_pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, interpret=None,
+                block_v=64, block_v_bwd=None, num_warps=8, num_warps_bwd=None, platform=None):
+    """Causal third-order HLA via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
+
+    ``chunk_size`` (a power of two >= 16), ``block_v``/``block_v_bwd`` (value tiles, powers of two
+    >= 16; ``block_v_bwd`` defaults to ``min(block_v, 32)``), ``num_warps`` (Triton) and
+    ``platform`` ("gpu" | "tpu"; default from ``jax.default_backend()``) tune the kernels;
+    ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.
+    """
+    return pallas_operator("hla3", q, k, v, g, normalize=normalize, eps=eps,
+                           chunk_size=chunk_size, interpret=interpret, block_v=block_v,
+                           block_v_bwd=block_v_bwd or min(block_v, BLOCK_V_BWD),
+                           num_warps=num_warps, num_warps_bwd=num_warps_bwd, platform=platform)

@@ -1,0 +1,133 @@
+"""``loglinear_gated_deltanet_pallas``: log-linear Gated DeltaNet (SPEC §4) via Pallas kernels.
+
+Same semantics as ``hla_jax.ops.loglinear_gated_deltanet``:
+``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_sᵀ``, ``A_r = a_r (I − β_r k_r k_rᵀ)``;
+``q, k: [B,T,H,d]`` (keys L2-normalised by the caller), ``v: [B,T,H,dv]``, ``g, beta: [B,T,H]``,
+``lam: [B,T,H,L ≥ ⌈log2 T⌉+1]``; returns ``[B,T,H,dv]`` float32.
+
+Design (``kernels/loglinear_gdn_chunk.py`` has the per-chunk math):
+1. ``ut_forward``, parallel over chunks: the UT transform of each chunk (``(I + A)⁻¹`` by
+   repeated squaring), the state readout ``Q̂``, ``W``, ``U`` and the intra-chunk output.
+2. ``walk_forward``, one program per (batch, head, value tile): walks the chunks with the binary
+   counter of S = ⌈log2 N⌉ level states (``d×bv`` float32 each, on chip); each chunk propagates the
+   non-empty levels through its ``d×d`` transition as 2-D dots, O(T log T · d · dv) in all.
+``jax.custom_vjp``: the forward keeps only its inputs.  The backward re-runs 1 and 2 (2 with
+``save_states``: each level state at the chunks that read it, about S/2 states per chunk, held
+only inside the backward), walks the chunks in reverse with the cotangent level states, then
+runs the UT backward in parallel over chunks.  ``dg`` follows by autodiff of the per-chunk
+cumulative log-decay (``chunk_log_decay``, floored at ``LOG_DECAY_FLOOR``: a reset ``g = -inf``
+stays finite), ``dlam`` through its padding and transpose.
+
+Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
+path (``kernels/gpu``, Triton lowering) has not run on a GPU yet (lowering-tested only); the TPU
+path (``kernels/tpu``, Mosaic) is tested in interpret mode only: no TPU was available.  Inputs
+other than all-bf16 run in float32; ``d`` is zero-padded to a power of two >= 16, ``dv`` to a
+multiple of the value tile, ``T`` to a multiple of ``chunk_size`` (a power of two >= 16).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hla_jax.kernels.loglinear import chunk_levels, levels_first, value_tile
+from hla_jax.kernels.wrap import chunk_log_decay, pad, pow2_at_least
+from hla_jax.ops.common import check_gate, check_per_token, check_qkv
+from hla_jax.ops.loglinear import check_lam
+
+
+class Config(NamedTuple):
+    """Static kernel settings: chunk, value tile, warps, interpret mode, platform."""
+    c: int
+    bv: int
+    num_warps: int = 8
+    interpret: bool = False
+    platform: str = "gpu"
+
+
+def _kernels(platform: str):
+    if platform == "tpu":
+        from hla_jax.kernels.tpu import loglinear_gdn as mod
+    else:
+        from hla_jax.kernels.gpu import loglinear_gdn as mod
+    return mod
+
+
+def _ut(cfg, q, k, v, b, beta, lam):
+    return _kernels(cfg.platform).ut_forward(q, k, v, b, beta, lam, c=cfg.c,
+                                             num_warps=cfg.num_warps, interpret=cfg.interpret)
+
+
+def _walk(cfg, q, k, v, b, beta, lam, save_states=False):
+    qh, w, u, o_intra = _ut(cfg, q, k, v, b, beta, lam)
+    return _kernels(cfg.platform).walk_forward(
+        qh, w, k, u, o_intra, b, lam, c=cfg.c, bv=cfg.bv, save_states=save_states,
+        num_warps=cfg.num_warps, interpret=cfg.interpret), (qh, w, u)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def loglinear_gdn_core(q, k, v, b, beta, lam, cfg: Config):
+    """The operator on padded inputs: ``q, k [B,Tp,H,d]``, ``v [B,Tp,H,dv]``, ``b, beta
+    [B,H,Tp]`` (``b`` the per-chunk cumulative log-decay), ``lam [B,H,log2 c + 1 + S,Tp]``
+    float32 -> ``[B,Tp,H,dv]`` float32."""
+    return _walk(cfg, q, k, v, b, beta, lam)[0]
+
+
+def _core_fwd(q, k, v, b, beta, lam, cfg):
+    return loglinear_gdn_core(q, k, v, b, beta, lam, cfg), (q, k, v, b, beta, lam)
+
+
+def _core_bwd(cfg, res, do):
+    q, k, v, b, beta, lam = res
+    mod, dt = _kernels(cfg.platform), q.dtype
+    kw = dict(c=cfg.c, num_warps=cfg.num_warps, interpret=cfg.interpret)
+    (_, states), (qh, w, u) = _walk(cfg, q, k, v, b, beta, lam, save_states=True)
+    do = do.astype(dt)
+    dqh, dw, dk1, du, db1, dlam1 = mod.walk_backward(qh, w, k, u, b, lam, states, do, bv=cfg.bv,
+                                                     **kw)
+    dq, dk2, dv, db2, dbeta, dlam2 = mod.ut_backward(
+        q, k, v, b, beta, lam, do, dqh.sum(0).astype(dt), dw.sum(0).astype(dt), du.astype(dt),
+        **kw)
+    return (dq.astype(dt), (dk1.sum(0) + dk2).astype(dt), dv.astype(dt), db1.sum(0) + db2,
+            dbeta, jnp.concatenate([dlam2, dlam1.sum(0)], axis=2))
+
+
+loglinear_gdn_core.defvjp(_core_fwd, _core_bwd)
+
+
+def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, interpret=None,
+                                    block_v=64, num_warps=8, platform=None):
+    """Log-linear Gated DeltaNet via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
+
+    ``block_v`` caps the value tile of the walk (a power of two >= 16; ``kernels.loglinear.value_tile``
+    shrinks it so the S level states of one program fit ``STACK_BYTES``), ``num_warps`` (Triton) and
+    ``platform`` ("gpu" | "tpu"; default from ``jax.default_backend()``) tune the kernels.
+    """
+    name = "loglinear_gated_deltanet_pallas"
+    B, T, H, d, dv = check_qkv(q, k, v, name=name)
+    g = check_gate(g, B, T, H, name=name, required=True)
+    beta = check_per_token(beta, B, T, H, "beta", name=name)
+    lam = check_lam(lam, B, T, H, name=name)
+    c = chunk_size
+    if not isinstance(c, int) or c < 16 or c & (c - 1):
+        raise ValueError(f"{name}: chunk_size must be a power of two >= 16, got {c!r}")
+    if not isinstance(block_v, int) or block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"{name}: block_v must be a power of two >= 16, got {block_v!r}")
+    backend = jax.default_backend()
+    interpret = backend == "cpu" if interpret is None else bool(interpret)
+    platform = platform or ("tpu" if backend == "tpu" else "gpu")
+    dt = jnp.bfloat16 if all(x.dtype == jnp.bfloat16 for x in (q, k, v)) else jnp.float32
+    Tp, dp = -(-T // c) * c, pow2_at_least(max(d, 16))
+    S = chunk_levels(T, c)  # chunk levels log2 c + 1 .. log2 c + S
+    bv = value_tile(block_v, dp, dv, S)
+    dvp = -(-dv // bv) * bv
+    per_token = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0)))
+    cfg = Config(c, bv, num_warps, interpret, platform)
+    o = loglinear_gdn_core(pad(q.astype(dt), Tp, dp), pad(k.astype(dt), Tp, dp),
+                           pad(v.astype(dt), Tp, dvp), chunk_log_decay(per_token(g), c),
+                           jnp.swapaxes(per_token(beta), 1, 2),
+                           levels_first(lam, Tp, c.bit_length() + S), cfg)
+    return o[:, :T, :, :dv]

@@ -1,0 +1,210 @@
+"""One chunk of log-linear Gated DeltaNet, forward and backward, as small 2-D matmuls (SPEC §4).
+
+Shared by the NVIDIA (Triton) and TPU (Mosaic) kernels.  One chunk of ``c`` tokens, local
+positions τ: ``b`` the local cumulative log-decay, ``γ = exp(b)``, ``γ_c`` its value at the chunk
+end, ``Γ[τ,σ] = γ_τ/γ_σ`` (σ ≤ τ, else 0), ``K̃ = (γ_c/γ)∘K``.
+
+UT part (no state: parallel over chunks), ``ut_forward``::
+
+    A = strict_tril(diag(β)(K Kᵀ) ∘ Γ),   T = (I + A)⁻¹ diag(β)
+    W = T (γ∘K),   U = T V,   P = (Q Kᵀ) ∘ Γ,   Q̂ = γ∘Q − P W
+    O_intra = (Λ ∘ (P T)) V,   Λ[τ,σ] = λ_τ^{ℓ(τ,σ)},  ℓ = bit_length(τ XOR σ) ≤ log2 c
+
+``(I + A)⁻¹`` of the strictly lower-triangular (nilpotent) ``A`` is the product
+``(I − A)(I + A²)(I + A⁴)⋯`` (``2 log2(c) − 2`` matmuls), no linear solve.
+
+Level walk (sequential over chunks ``n``), ``walk_forward``: level states ``H[m]: d×bv`` in
+float32, ``m = 1..S``, holding the earlier chunks at level ``log2 c + m`` (``H[m] ≠ 0`` only when
+bit ``m−1`` of ``n`` is set, so the others are skipped)::
+
+    O = O_intra + Σ_m λ^{(log2 c + m)} ∘ (Q̂ H[m]),      H[m] ← γ_c H[m] − K̃ᵀ (W H[m])
+    carry into n+1 (z = trailing zeros of n+1):  H[z+1] = K̃ᵀ U + Σ_{m≤z} H[m],  H[1..z] = 0
+
+Matmul operands are in the input dtype (bf16 or float32), accumulation in float32; the
+triangular inverse runs on float32 operands (TF32 when the inputs are bf16).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hla_jax.kernels.hla2_chunk import F32, at_end, decays, dot
+from hla_jax.kernels.loglinear_chunk import level_sums, level_table, level_weights
+
+
+def _tri_dot(a, b, fast: bool, ta: bool = False, tb: bool = False):
+    """``op(a) @ op(b)`` on float32 operands (float64 stays float64): TF32 when ``fast``."""
+    acc = jnp.result_type(F32, a.dtype)
+    prec = jax.lax.Precision.DEFAULT if fast else jax.lax.Precision.HIGHEST
+    dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
+    return jax.lax.dot_general(a.astype(acc), b.astype(acc), dims, precision=prec,
+                               preferred_element_type=acc)
+
+
+def unit_lower_inverse(A, fast: bool = False):
+    """``(I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)⋯(I + A^{2^m})``, ``2^{m+1} ≥ c``, for a strictly
+    lower-triangular ``A [c,c]`` (``A^c = 0``): ``2 log2(c) − 2`` matmuls."""
+    c = A.shape[0]
+    eye = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) == jax.lax.broadcasted_iota(
+        jnp.int32, (c, c), 1)
+    X, P, terms = jnp.where(eye, 1.0, 0.0).astype(A.dtype) - A, A, 2
+    while terms < c:
+        P = _tri_dot(P, P, fast)
+        X = X + _tri_dot(X, P, fast)
+        terms *= 2
+    return X
+
+
+def _strict(c):
+    """Strictly lower-triangular mask ``[c, c]``."""
+    return jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) > jax.lax.broadcasted_iota(
+        jnp.int32, (c, c), 1)
+
+
+def ut_forward(Q, K, V, bb, beta, lam):
+    """``(Q̂ [c,d], W [c,d], U [c,dv], O_intra [c,dv])`` (float32) from ``Q, K [c,d]``,
+    ``V [c,dv]``, ``bb, beta [c]`` and ``lam``: the ``log2 c + 1`` intra levels, vectors ``[c]``."""
+    dt = Q.dtype
+    r, _, _, Gam, _ = decays(bb)
+    c = Q.shape[0]
+    A = jnp.where(_strict(c), beta[:, None] * dot(K, K, tb=True) * Gam, 0.0)
+    Tm = (unit_lower_inverse(A, dt == jnp.bfloat16) * beta[None, :]).astype(dt)
+    W = dot(Tm, (r[:, None] * K).astype(dt))
+    U = dot(Tm, V)
+    P = (dot(Q, K, tb=True) * Gam).astype(dt)
+    Qh = r[:, None] * Q - dot(P, W.astype(dt))
+    O = dot((level_weights(lam, level_table(c)) * dot(P, Tm)).astype(dt), V)
+    return Qh, W, U, O
+
+
+def ut_backward(Q, K, V, bb, beta, lam, dQh, dW, dU, dO):
+    """Reverse-mode step of ``ut_forward``: cotangents ``dQh, dW [c,d]``, ``dU, dO [c,dv]`` ->
+    ``(dQ, dK [c,d], dV [c,dv], dbb [c], dbeta [c], dlam (log2 c + 1 vectors [c]))``, float32."""
+    dt = Q.dtype
+    fast = dt == jnp.bfloat16
+    c = Q.shape[0]
+    r, _, _, Gam, _ = decays(bb)
+    strict, lev = _strict(c), level_table(c)
+    KK = dot(K, K, tb=True)
+    A = jnp.where(strict, beta[:, None] * KK * Gam, 0.0)
+    X = unit_lower_inverse(A, fast)
+    Tm = X * beta[None, :]
+    Tm_, Kr = Tm.astype(dt), r[:, None] * K
+    W = dot(Tm_, Kr.astype(dt))
+    P = dot(Q, K, tb=True) * Gam
+    P_ = P.astype(dt)
+    M = dot(P_, Tm_)
+    Lam = level_weights(lam, lev)
+    dO_, dQh_, dU_ = dO.astype(dt), dQh.astype(dt), dU.astype(dt)
+
+    dOV = dot(dO_, V, tb=True)
+    dM_ = (Lam * dOV).astype(dt)
+    dlam = tuple(level_sums(M * dOV, lev, len(lam)))
+    dV = dot((Lam * M).astype(dt), dO_, ta=True) + dot(Tm_, dU_, ta=True)
+    dWt = (dW - dot(P_, dQh_, ta=True)).astype(dt)
+    dP = dot(dM_, Tm_, tb=True) - dot(dQh_, W.astype(dt), tb=True)
+    dTm = dot(P_, dM_, ta=True) + dot(dU_, V, tb=True) + dot(dWt, Kr.astype(dt), tb=True)
+    dKr = dot(Tm_, dWt, ta=True)
+    dPG = (dP * Gam).astype(dt)
+    dbeta = jnp.sum(X * dTm, axis=0)
+    dA = -_tri_dot(_tri_dot(X, dTm * beta[None, :], fast, ta=True), X, fast, tb=True)
+    dA = jnp.where(strict, dA, 0.0)
+    E = dA * Gam
+    dbeta = dbeta + jnp.sum(E * KK, axis=1)
+    dKK = (beta[:, None] * E).astype(dt)
+    dQ = r[:, None] * dQh + dot(dPG, K)
+    dK = (r[:, None] * dKr + dot(dPG, Q, ta=True) + dot(dKK, K) + dot(dKK, K, ta=True))
+    HG = dP * P + dA * A
+    dbb = r * (jnp.sum(Q * dQh, axis=1) + jnp.sum(K * dKr, axis=1)) + jnp.sum(HG, 1) - jnp.sum(HG, 0)
+    return dQ, dK, dV, dbb, dbeta, dlam
+
+
+def chunk_end(K, bb):
+    """``(K̃ = (γ_c/γ)∘K [c,d], γ_c)`` in float32."""
+    bc = jnp.min(bb)  # b at the chunk end, since g <= 0
+    return jnp.exp(bc - bb)[:, None] * K, jnp.exp(bc)
+
+
+def chunk_end_backward(K, bb, dKt, dgc):
+    """Cotangents ``(dK [c,d], dbb [c])`` of ``chunk_end`` given ``dK̃`` and ``dγ_c``."""
+    bc = jnp.min(bb)
+    e = jnp.exp(bc - bb)
+    f = e * jnp.sum(K * dKt, axis=1)
+    return e[:, None] * dKt, at_end(jnp.sum(f) + jnp.exp(bc) * dgc, bb.shape[0]) - f
+
+
+def _bit(n, m: int):
+    return (n & (1 << m)) != 0
+
+
+def _carry_masks(n, S: int):
+    """For the carry into chunk ``n ≥ 1`` (z = trailing zeros of n), per level m = 1..S as float
+    scalars: ``below[m] = [m ≤ z+1]`` and ``top[m] = [m = z+1]``."""
+    below = [((n & ((1 << (m - 1)) - 1)) == 0).astype(F32) for m in range(1, S + 1)]
+    return below, [lo * _bit(n, m - 1).astype(F32) for m, lo in enumerate(below, 1)]
+
+
+def walk_forward(Qh, W, Kt, U, gc, lam, H, n, save=None):
+    """Chunk ``n`` of the level walk -> ``(O_inter [c,bv], the states after the carry into n+1)``.
+
+    ``Qh, W, Kt [c,d]`` and ``U [c,bv]`` in the matmul dtype, ``gc`` = γ_c, ``lam``: S vectors
+    ``[c]`` (λ at levels ``log2 c + 1 .. log2 c + S``), ``H``: S float32 states ``[d,bv]`` after
+    the carry into chunk ``n``.  ``save(m, H[m])`` is called for each level read at this chunk (the backward's
+    checkpoints).
+    """
+    dt, n = Qh.dtype, jnp.asarray(n, jnp.int32)
+    O = jnp.zeros((Qh.shape[0], U.shape[1]), H[0].dtype)
+    out = []
+    for m, (Hm, w) in enumerate(zip(H, lam), 1):
+        def active(Hm, O, m=m, w=w):
+            if save is not None:
+                save(m, Hm)
+            Hd = Hm.astype(dt)
+            O = O + w[:, None] * dot(Qh, Hd)
+            return gc * Hm - dot(Kt, dot(W, Hd).astype(dt), ta=True), O
+
+        Hm, O = jax.lax.cond(_bit(n, m - 1), active, lambda Hm, O: (Hm, O), Hm, O)
+        out.append(Hm)
+    below, top = _carry_masks(n + 1, len(H))
+    merged = dot(Kt, U, ta=True) + sum(lo * Hm for lo, Hm in zip(below, out))
+    return O, tuple(tp * merged + (1.0 - lo) * Hm for lo, tp, Hm in zip(below, top, out))
+
+
+def walk_backward(Qh, W, Kt, U, gc, lam, dO, load, dH, n):
+    """Reverse-mode step of ``walk_forward`` at chunk ``n``.
+
+    ``dO [c,bv]``; ``dH``: cotangents of the states it returned; ``load(m)``: the saved float32
+    ``H[m]`` (called for the levels read at ``n``).  Returns ``(dQh, dW, dKt [c,d], dU [c,bv],
+    dgc, dlam (S vectors [c]), cotangents of the incoming states)``, float32.
+    """
+    dt, n = Qh.dtype, jnp.asarray(n, jnp.int32)
+    c, d = Qh.shape
+    below, top = _carry_masks(n + 1, len(dH))
+    dOwn = sum(tp * dHm for tp, dHm in zip(top, dH))
+    dOwn_ = dOwn.astype(dt)
+    f = dH[0].dtype
+    acc = (jnp.zeros((c, d), f), jnp.zeros((c, d), f), dot(U, dOwn_, tb=True),
+           jnp.zeros((dOwn.shape[1],), f))  # dγ_c by columns: no scalar through lax.cond
+    dlam, dH_in = [], []
+    for m, (dHm, w) in enumerate(zip(dH, lam), 1):
+        def active(dHm, dQh, dW, dKt, dgc, m=m, w=w):
+            Hm = load(m)
+            Hd, dHd = Hm.astype(dt), dHm.astype(dt)
+            wdO = (w[:, None] * dO).astype(dt)
+            Y = dot(Kt, dHd).astype(dt)
+            return (gc * dHm - dot(W, Y, ta=True) + dot(Qh, wdO, ta=True),
+                    dQh + dot(wdO, Hd, tb=True), dW - dot(Y, Hd, tb=True),
+                    dKt - dot(dot(W, Hd).astype(dt), dHd, tb=True), dgc + jnp.sum(dHm * Hm, axis=0),
+                    jnp.sum(dO * dot(Qh, Hd), axis=1))
+
+        def idle(dHm, *acc):
+            return (dHm, *acc, jnp.zeros((c,), f))
+
+        lo = below[m - 1]
+        dHm = lo * dOwn + (1.0 - lo) * dHm
+        dHm, *acc, dl = jax.lax.cond(_bit(n, m - 1), active, idle, dHm, *acc)
+        dH_in.append(dHm)
+        dlam.append(dl)
+    dQh, dW, dKt, dgc = acc
+    return dQh, dW, dKt, dot(Kt, dOwn_), jnp.sum(dgc), tuple(dlam), tuple(dH_in)

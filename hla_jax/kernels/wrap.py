@@ -1,0 +1,128 @@
+"""Shared plumbing of the chunked Pallas HLA operators (``hla2_pallas``, ``ahla_pallas``, ``hla3_pallas``).
+
+An operator family ``f`` provides ``kernels/gpu/f.py`` (Triton) and ``kernels/tpu/f.py``
+(Mosaic) with the same interface:
+
+- ``forward(q, k, v, b, *, c, bv, save_states=False, num_warps, interpret)``: ``q, k [B,Tp,H,d]``,
+  ``v [B,Tp,H,dv]``, ``b [B,H,Tp]`` (per-chunk cumulative log-decay) -> ``O [B,Tp,H,dv]`` float32,
+  and with ``save_states`` also every chunk's incoming state (any number of arrays);
+- ``backward(q, k, v, b, *states, do, *, c, bv, num_warps, interpret)`` -> ``(dq, dk) [nv,B,Tp,H,d]``
+  (one share per value tile), ``dv [B,Tp,H,dv]``, ``db [nv,B,H,Tp]``, all float32.
+
+``chunked_core`` is the ``jax.custom_vjp`` over these: the forward keeps only its inputs; the
+backward re-runs the forward with ``save_states=True`` (recompute, transient) and then the
+reverse kernel.  ``pallas_operator`` is the public entry: input checks, padding (``T`` to the
+chunk, ``d`` to a power of two >= 16, ``dv`` to a multiple of the value tile), gates as
+``chunk_log_decay``, ratio normalisation by a second call on a 16-wide value tile
+``[1, 0, …, 0]`` (the operators are linear in V, so this is the denominator), ``dg`` by autodiff
+of the cumulative sum.  Log-decays are floored at ``LOG_DECAY_FLOOR`` (``exp(-30) ≈ 1e-13``),
+which keeps every exponent finite (a reset ``g = -inf`` works).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hla_jax.ops.common import check_gate, check_qkv, clamp_signed
+
+LOG_DECAY_FLOOR = -30.0
+
+
+class Config(NamedTuple):
+    """Static kernel settings: family (kernel module name), chunk, value tiles and warps of
+    forward and backward, interpret mode, platform ("gpu" | "tpu")."""
+    family: str
+    c: int
+    bv_fwd: int
+    bv_bwd: int
+    warps_fwd: int = 8
+    warps_bwd: int = 8
+    interpret: bool = False
+    platform: str = "gpu"
+
+
+def kernels(cfg: Config):
+    """The kernel module ``hla_jax.kernels.{gpu|tpu}.{family}``."""
+    backend = "tpu" if cfg.platform == "tpu" else "gpu"
+    return importlib.import_module(f"hla_jax.kernels.{backend}.{cfg.family}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def chunked_core(q, k, v, b, cfg: Config):
+    """Unnormalised operator on padded inputs: ``q, k [B,Tp,H,d]``, ``v [B,Tp,H,dv]``,
+    ``b [B,H,Tp]`` -> ``[B,Tp,H,dv]`` float32."""
+    return kernels(cfg).forward(q, k, v, b, c=cfg.c, bv=cfg.bv_fwd, num_warps=cfg.warps_fwd,
+                                interpret=cfg.interpret)
+
+
+def _core_fwd(q, k, v, b, cfg):
+    return chunked_core(q, k, v, b, cfg), (q, k, v, b)
+
+
+def _core_bwd(cfg, res, do):
+    q, k, v, b = res
+    mod = kernels(cfg)
+    _, *states = mod.forward(q, k, v, b, c=cfg.c, bv=cfg.bv_fwd, save_states=True,
+                             num_warps=cfg.warps_fwd, interpret=cfg.interpret)
+    dq, dk, dv, db = mod.backward(q, k, v, b, *states, do.astype(q.dtype), c=cfg.c,
+                                  bv=cfg.bv_bwd, num_warps=cfg.warps_bwd, interpret=cfg.interpret)
+    return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv.astype(v.dtype),
+            db.sum(0))
+
+
+chunked_core.defvjp(_core_fwd, _core_bwd)
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def pad(x, T: int, width: int):
+    """Zero-pad time (axis 1) to ``T`` and features (last axis) to ``width``."""
+    return jnp.pad(x, ((0, 0), (0, T - x.shape[1]), (0, 0), (0, width - x.shape[-1])))
+
+
+def chunk_log_decay(g, c: int):
+    """``[B,Tp,H]`` log-decay -> ``b [B,H,Tp]``: the cumulative sum within each chunk of ``c``."""
+    B, Tp, H = g.shape
+    b = jnp.cumsum(jnp.maximum(g, LOG_DECAY_FLOOR).reshape(B, Tp // c, c, H), axis=2)
+    return jnp.transpose(b.reshape(B, Tp, H), (0, 2, 1))
+
+
+def pallas_operator(family: str, q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64,
+                    interpret=None, block_v=64, block_v_bwd=None, num_warps=8, num_warps_bwd=None,
+                    platform=None):
+    """``family``'s operator via its Pallas kernels, ``[B,T,H,dv]`` float32 (the arguments are
+    those of ``hla2_pallas``; inputs other than all-bf16 run in float32)."""
+    name = f"{family}_pallas"
+    B, T, H, d, dv = check_qkv(q, k, v, name=name)
+    g = check_gate(g, B, T, H, name=name)
+    c = chunk_size
+    if not isinstance(c, int) or c < 16 or c & (c - 1):
+        raise ValueError(f"{name}: chunk_size must be a power of two >= 16, got {c!r}")
+    backend = jax.default_backend()
+    interpret = backend == "cpu" if interpret is None else bool(interpret)
+    platform = platform or ("tpu" if backend == "tpu" else "gpu")
+    dt = jnp.bfloat16 if all(x.dtype == jnp.bfloat16 for x in (q, k, v)) else jnp.float32
+    Tp = -(-T // c) * c
+    dp = pow2_at_least(max(d, 16))
+    bv = min(block_v, pow2_at_least(max(dv, 16)))
+    dvp = -(-dv // bv) * bv
+    cfg = Config(family, c, bv, min(block_v_bwd or bv, bv), num_warps, num_warps_bwd or num_warps,
+                 interpret, platform)
+    qp, kp = (pad(x.astype(dt), Tp, dp) for x in (q, k))
+    if g is None:  # a constant, not a cumsum of zeros (XLA's GPU compiler folds those slowly)
+        b = jnp.zeros((B, H, Tp), jnp.float32)
+    else:
+        b = chunk_log_decay(jnp.pad(g.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0))), c)
+    o = chunked_core(qp, kp, pad(v.astype(dt), Tp, dvp), b, cfg)[:, :T, :, :dv]
+    if normalize:
+        ones = jnp.zeros((B, Tp, H, 16), dt).at[..., 0].set(1)
+        den = chunked_core(qp, kp, ones, b, cfg._replace(bv_fwd=16, bv_bwd=16))[:, :T, :, 0]
+        o = o / clamp_signed(den, eps)[..., None]
+    return o

@@ -1,0 +1,148 @@
+"""Log-linear Gated DeltaNet Pallas kernels (interpret mode on CPU) vs the quadratic reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, grads_of, lower_for, make_gate, make_qkv
+
+from hla_jax.kernels import loglinear_gdn_chunk as chunk
+from hla_jax.kernels.loglinear_gdn import loglinear_gated_deltanet_pallas
+from hla_jax.ops import fenwick, reference
+
+TOL = 2e-3
+KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+
+
+def _inputs(rng, B, T, H, d, dv):
+    """``q, k, v, g, beta, lam`` as the model passes them: L2-normalised keys, β ∈ (0.1, 0.9)."""
+    q, k, v = make_qkv(rng, B, T, H, d, dv)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, size=(B, T, H)), jnp.float32)
+    lam = jnp.asarray(rng.uniform(0.2, 1.5, size=(B, T, H, fenwick.num_levels(T))), jnp.float32)
+    return q, k, v, make_gate(rng, B, T, H), beta, lam
+
+
+def _check(rng, args, ker, tol=TOL):
+    """Output and the gradients of all six inputs against the reference."""
+    ref = reference.loglinear_gated_deltanet
+    assert_close(ker(*args), ref(*args), tol)
+    w = jnp.asarray(rng.normal(size=args[2].shape), jnp.float32)
+    argnums = tuple(range(6))
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "lam"), grads_of(ker, args, argnums, w),
+                          grads_of(ref, args, argnums, w)):
+        assert_close(a, b, tol, "d" + name)
+
+
+@pytest.mark.parametrize("B,T,H,d,dv,c,bv", [
+    (2, 100, 2, 16, 32, 16, 16),   # T not a multiple of the chunk, two value tiles, 3 chunk levels
+    (1, 64, 2, 24, 20, 32, 64),    # d and dv padded (24 -> 32, 20 -> 32), two chunks
+    (1, 1000, 1, 16, 16, 32, 16),  # 32 chunks: 5 chunk levels
+])
+def test_matches_reference(rng, B, T, H, d, dv, c, bv):
+    _check(rng, _inputs(rng, B, T, H, d, dv),
+           lambda *a: loglinear_gated_deltanet_pallas(*a, chunk_size=c, block_v=bv, interpret=True))
+
+
+def test_tpu_path_interpret(rng):
+    """The Mosaic TPU kernels (interpret mode only: no TPU here) match the reference too."""
+    _check(rng, _inputs(rng, 2, 100, 2, 16, 16),
+           lambda *a: loglinear_gated_deltanet_pallas(*a, chunk_size=16, interpret=True,
+                                                      platform="tpu"))
+
+
+def test_bf16(rng):
+    """bf16 inputs: bf16 matmul operands, float32 state; output and gradients of all six inputs
+    compared with the float32 reference on the same (bf16-rounded) values."""
+    q, k, v, g, beta, lam = _inputs(rng, 2, 100, 2, 32, 32)
+    q, k, v = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v))
+    bf16 = lambda x: x.astype(jnp.bfloat16)
+    ker = lambda q, k, v, *a: loglinear_gated_deltanet_pallas(bf16(q), bf16(k), bf16(v), *a,
+                                                             chunk_size=16, interpret=True)
+    assert ker(q, k, v, g, beta, lam).dtype == jnp.float32
+    _check(rng, (q, k, v, g, beta, lam), ker, 3e-2)
+
+
+def test_reset_gate_stays_finite(rng):
+    """A log-decay of -inf (a state reset) keeps the kernel and its gradients finite, and the
+    tokens after it see nothing before it (the cut at 32 keeps the Fenwick levels of T = 64)."""
+    q, k, v, g, beta, lam = _inputs(rng, 1, 64, 1, 16, 16)
+    g = g.at[:, 32].set(-jnp.inf)
+    ker = lambda *a: loglinear_gated_deltanet_pallas(*a, chunk_size=16, interpret=True)
+    out = ker(q, k, v, g, beta, lam)
+    assert np.all(np.isfinite(np.asarray(out)))
+    tail = ker(*(x[:, 32:] for x in (q, k, v, g.at[:, 32].set(0.0), beta, lam[..., :6])))
+    assert_close(out[:, 32:], tail, 1e-5)
+    w = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    for x in grads_of(ker, (q, k, v, g, beta, lam), tuple(range(6)), w):
+        assert np.all(np.isfinite(np.asarray(x)))
+
+
+def _f64(rng, *shape):
+    return jnp.asarray(rng.normal(size=shape), jnp.float64)
+
+
+def test_ut_backward_is_the_vjp_of_ut_forward(rng, x64):
+    """The hand-written UT backward and the chunk-end backward equal ``jax.vjp`` (float64)."""
+    c, d, dv = 16, 8, 4
+    Q, K, V = _f64(rng, c, d) / 2, _f64(rng, c, d) / 2, _f64(rng, c, dv)
+    bb = jnp.cumsum(-jnp.asarray(rng.uniform(0.05, 0.5, c)))
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, c))
+    lam = tuple(jnp.asarray(rng.uniform(0.2, 1.5, c)) for _ in range(5))
+    outs, vjp = jax.vjp(chunk.ut_forward, Q, K, V, bb, beta, lam)
+    cts = tuple(_f64(rng, *o.shape) for o in outs)
+    *want, dlam = vjp(cts)
+    *got, got_dlam = chunk.ut_backward(Q, K, V, bb, beta, lam, *cts)
+    for name, a, b in zip(["dQ", "dK", "dV", "dbb", "dbeta"], got, want):
+        assert_close(a, b, 1e-10, name)
+    assert_close(jnp.stack(got_dlam), jnp.stack(dlam), 1e-10, "dlam")
+    (_, vjp_end) = jax.vjp(chunk.chunk_end, K, bb)
+    dKt, dgc = _f64(rng, c, d), jnp.asarray(0.7)
+    for name, a, b in zip(["dK", "dbb"], chunk.chunk_end_backward(K, bb, dKt, dgc),
+                          vjp_end((dKt, dgc))):
+        assert_close(a, b, 1e-10, "chunk_end " + name)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 6, 7])  # levels read / carried differ with the bits of n
+def test_walk_backward_is_the_vjp_of_walk_forward(rng, x64, n):
+    c, d, bv, S = 16, 8, 4, 3
+    args = (_f64(rng, c, d), _f64(rng, c, d), _f64(rng, c, d) / 3, _f64(rng, c, bv),
+            jnp.asarray(0.6), tuple(jnp.asarray(rng.uniform(0.2, 1.5, c)) for _ in range(S)),
+            tuple(_f64(rng, d, bv) for _ in range(S)))
+    outs, vjp = jax.vjp(lambda *a: chunk.walk_forward(*a, n), *args)
+    dO, dH = _f64(rng, c, bv), tuple(_f64(rng, d, bv) for _ in range(S))
+    *want, want_dlam, want_dH = vjp((dO, dH))
+    *got, got_dlam, got_dH = chunk.walk_backward(*args[:6], dO, lambda m: args[6][m - 1], dH, n)
+    for name, a, b in zip(["dQh", "dW", "dKt", "dU", "dgc", "dlam", "dH"], got + [
+            jnp.stack(got_dlam), jnp.stack(got_dH)], want + [jnp.stack(want_dlam),
+                                                             jnp.stack(want_dH)]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12,
+                                   err_msg=name)
+
+
+def test_rejects_bad_input(rng):
+    q, k, v, g, beta, lam = _inputs(rng, 1, 16, 1, 16, 16)
+    ker = lambda *a, **kw: loglinear_gated_deltanet_pallas(*a, interpret=True, **kw)
+    with pytest.raises(ValueError, match="chunk_size"):
+        ker(q, k, v, g, beta, lam, chunk_size=24)
+    with pytest.raises(ValueError, match="g"):
+        ker(q, k, v, None, beta, lam)
+    with pytest.raises(ValueError, match="beta"):
+        ker(q, k, v, g, beta[..., None], lam)
+    with pytest.raises(ValueError, match="lam"):
+        ker(q, k, v, g, beta, lam[..., :2])
+    with pytest.raises(ValueError, match="k"):
+        ker(q, k[..., :8], v, g, beta, lam)
+
+
+@pytest.mark.parametrize("platform,c", [("cuda", 64), ("tpu", 128)])
+def test_lowers_for_hardware(platform, c):
+    """Forward and backward pass the real Triton (H200) / Mosaic TPU lowering: no device needed."""
+    B, T, H, d, dv = 1, 1024, 2, 128, 128
+    x = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+    loss = lambda *a: loglinear_gated_deltanet_pallas(
+        *a, chunk_size=c, interpret=False, platform="tpu" if platform == "tpu" else "gpu").sum()
+    text = lower_for(platform, jax.grad(loss, argnums=tuple(range(6))), x(B, T, H, d),
+                     x(B, T, H, d), x(B, T, H, dv), x(B, T, H, dt=jnp.float32),
+                     x(B, T, H, dt=jnp.float32), x(B, T, H, fenwick.num_levels(T), dt=jnp.float32))
+    assert text.count(KERNEL_CALL[platform]) >= 4  # UT, saved-state walk, reverse walk, UT backward
