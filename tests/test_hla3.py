@@ -152,7 +152,7 @@ def test_bad_input(rng):
     with pytest.raises(ValueError, match="g must be None"):
         F.hla3(q, k, v, g, mask="paper")
     with pytest.raises(ValueError, match="impl"):
-        F.hla3(q, k, v, impl="pallas")
+        F.hla3(q, k, v, impl="triton")
     with pytest.raises(ValueError, match="q"):
         F.hla3(q[0], k, v)
     with pytest.raises(ValueError, match="k"):

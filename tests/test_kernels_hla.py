@@ -151,3 +151,15 @@ def test_pallas_impl_is_refused_where_there_is_no_kernel(rng):
         ops.hla3(q, k, v, mask="paper", impl="pallas")
     with pytest.raises(ValueError, match="pallas"):
         ops.mamba2(q, k, v, make_gate(rng, 1, 16, 1), impl="pallas")
+
+
+def test_auto_prefers_the_kernel_only_for_bf16_on_a_gpu(monkeypatch):
+    """``impl="auto"``: Pallas on a GPU for all-bf16 inputs without sequence sharding, else XLA."""
+    from hla_jax.ops.common import pallas_preferred
+
+    bf16, f32 = jnp.zeros((1, 4, 1, 16), jnp.bfloat16), jnp.zeros((1, 4, 1, 16), jnp.float32)
+    assert not pallas_preferred(None, bf16, bf16)  # this machine is a CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert pallas_preferred(None, bf16, bf16)
+    assert not pallas_preferred(None, bf16, f32)
+    assert not pallas_preferred("sequence", bf16, bf16)

@@ -43,6 +43,7 @@ def make_mixer(cfg, name, seed=0):
     (dict(d_model=16, n_heads=2, head_dim=4), "n_heads \\* head_dim must equal d_model"),
     (dict(dtype="float8"), "dtype"),
     (dict(impl="fast"), "impl"),
+    (dict(impl="pallas", mixer_pattern=("hla2", "mamba2")), "no kernel"),
     (dict(mixer_pattern=()), "at least one mixer"),
 ])
 def test_config_rejects_inconsistent(kw, match):
@@ -78,6 +79,15 @@ def test_mixer_forward_and_gradient(name, rng):
     leaves = jax.tree.leaves(gp)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves) and bool(jnp.all(jnp.isfinite(gx)))
     assert all(float(jnp.max(jnp.abs(g))) > 0 for g in leaves)  # every parameter is used
+
+
+@pytest.mark.parametrize("name", ["ahla", "loglinear_gated_deltanet"])
+def test_mixer_pallas_impl_matches_chunked(name, rng):
+    """``ModelConfig.impl="pallas"`` runs the kernels (interpret mode here) with the same result."""
+    x = jnp.asarray(rng.normal(size=(2, 20, 16)), jnp.float32)
+    outs = [make_mixer(tiny(name, impl=impl, chunk_size=16, hla_decay=True), name)(x)
+            for impl in ("chunked", "pallas")]
+    assert_close(outs[1], outs[0], 2e-3)
 
 
 DECODE_CASES = [(name, {"hla_decay": True}) for name in MIXERS] + [

@@ -129,9 +129,10 @@ def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
     ``None``.  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
     "recurrent" | "scan" | "chunked" | "pallas" (``hla_jax.kernels.ahla_pallas``; interpret mode
-    on CPU) | "auto" (= "chunked").  ``seq_axis``: the mesh axis the time axis is sharded over,
+    on CPU) | "auto" (the kernel on a GPU for bf16 inputs, ``common.pallas_preferred``; else
+    "chunked").  ``seq_axis``: the mesh axis the time axis is sharded over,
     inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
     return hla_forms.dispatch(FAMILY, impl, IMPLS, q, k, v, g, normalize=normalize, eps=eps,
                               chunk_size=chunk_size, seq_axis=seq_axis,
-                              kernels={"pallas": hla_forms.pallas("ahla")})
+                              kernels={"pallas": hla_forms.pallas("ahla")}, auto_kernel=True)

@@ -206,6 +206,15 @@ def empty_segment(like, axis: int):
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def pallas_preferred(seq_axis, *xs) -> bool:
+    """Whether ``impl="auto"`` takes a family's Pallas kernel: on a GPU, all inputs bf16, time not
+    sharded; the configuration checked on an H200 and measured faster there than the XLA chunked
+    form (``experiments/results/kernels_*``).  Float32 at d=128 exceeds Triton's shared memory for
+    some kernels, and the TPU kernels have never run on a TPU: XLA chunked there."""
+    return (seq_axis is None and jax.default_backend() == "gpu"
+            and all(x.dtype == jnp.bfloat16 for x in xs))
+
+
 def matmul_precision(*xs):
     """The matmul precision an operator call runs under, chosen from its inputs' dtypes.
 

@@ -343,7 +343,8 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="aut
     ``None`` (``mask="paper"`` has no decay: ``g`` must be ``None``).  ``mask``: "causal" |
     "paper".  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
     "recurrent" | "scan" | "chunked" | "pallas" (``hla_jax.kernels.hla3_pallas``, causal mask
-    only; interpret mode on CPU) | "auto" (= "chunked").  ``seq_axis``: the mesh axis the time
+    only; interpret mode on CPU) | "auto" (the causal kernel on a GPU for bf16 inputs,
+    ``common.pallas_preferred``; else "chunked").  ``seq_axis``: the mesh axis the time
     axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
     _check_mask(mask, g)
@@ -351,4 +352,5 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="aut
         raise ValueError("hla3: impl='pallas' has a kernel for mask='causal' only")
     return hla_forms.dispatch(PAPER if mask == "paper" else CAUSAL, impl, IMPLS, q, k, v, g,
                               normalize=normalize, eps=eps, chunk_size=chunk_size,
-                              seq_axis=seq_axis, kernels={"pallas": hla_forms.pallas("hla3")})
+                              seq_axis=seq_axis, kernels={"pallas": hla_forms.pallas("hla3")},
+                              auto_kernel=mask == "causal")

@@ -28,6 +28,7 @@ from hla_jax.ops.common import (
     empty_segment,
     from_chunks,
     pad_time,
+    pallas_preferred,
     ratio_last_column,
     scan_time,
     state_dtype,
@@ -134,17 +135,20 @@ def pallas(name: str):
 
 
 def dispatch(family: Family, impl, impls, q, k, v, g=None, *, normalize=False, eps=1e-6,
-             chunk_size=64, seq_axis=None, kernels=None):
+             chunk_size=64, seq_axis=None, kernels=None, auto_kernel=False):
     """A public entry's checks, then ``impl``: "reference" | "recurrent" | "scan" | "chunked" |
-    "auto" (= "chunked") | a name in ``kernels`` (``{impl: fn(q, k, v, g, *, normalize, eps,
-    chunk_size)}``).  Bad ``impl``, ``seq_axis`` use, ``chunk_size``, ``q, k, v`` or ``g`` raise
-    ``ValueError`` naming the argument."""
+    "auto" | a name in ``kernels`` (``{impl: fn(q, k, v, g, *, normalize, eps, chunk_size)}``).
+    "auto" is "pallas" when ``auto_kernel`` and ``common.pallas_preferred``, else "chunked".
+    Bad ``impl``, ``seq_axis`` use, ``chunk_size``, ``q, k, v`` or ``g`` raise ``ValueError``
+    naming the argument."""
     name = family.name
     check_impl(impl, impls, name=name)
     sequence.check_impl(impl, seq_axis, name=name)
     chunk_size = check_chunk_size(chunk_size)
     B, T, H, _, _ = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name)
+    if impl == "auto" and auto_kernel and pallas_preferred(seq_axis, q, k, v):
+        impl = "pallas"
     if impl == "reference":
         return family.reference(q, k, v, g, normalize=normalize, eps=eps)
     if impl == "recurrent":

@@ -329,6 +329,8 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
     impl = common.check_impl(impl, IMPLS, name=name)
+    if impl == "auto" and name in KERNELS and common.pallas_preferred(seq_axis, q, k, v):
+        impl = "pallas"
     if impl == "pallas" and name not in KERNELS:
         raise ValueError(f"{name}: impl='pallas' has kernels for {KERNELS} only")
     sequence.check_impl(impl, seq_axis, name=name)
@@ -356,7 +358,9 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
 
 def loglinear_mamba2(q, k, v, g, lam, *, impl="auto", chunk_size=64, seq_axis=None):
     """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} D(t,s) (q_t·k_s) v_s``; ``lam: [B,T,H,L ≥ ⌈log2 T⌉+1]``
-    (``T`` the global length under ``seq_axis``)."""
+    (``T`` the global length under ``seq_axis``).  ``impl="pallas"``:
+    ``hla_jax.kernels.loglinear_mamba2_pallas``; "auto" takes it on a GPU for bf16 inputs
+    (``common.pallas_preferred``), else "chunked"."""
     return run("loglinear_mamba2", q, k, v, g, None, lam, impl=impl, chunk_size=chunk_size,
                log_levels=True, seq_axis=seq_axis)
 
@@ -372,6 +376,8 @@ def gated_deltanet(q, k, v, g, beta, *, impl="auto", chunk_size=64, seq_axis=Non
 
 def loglinear_gated_deltanet(q, k, v, g, beta, lam, *, impl="auto", chunk_size=64,
                              seq_axis=None):
-    """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_s``; ``lam: [B,T,H,L]``."""
+    """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_s``; ``lam: [B,T,H,L]``.
+    ``impl="pallas"``: ``hla_jax.kernels.loglinear_gated_deltanet_pallas``; "auto" as for
+    ``loglinear_mamba2``."""
     return run("loglinear_gated_deltanet", q, k, v, g, beta, lam, impl=impl,
                chunk_size=chunk_size, log_levels=True, seq_axis=seq_axis)
