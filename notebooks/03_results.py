@@ -67,8 +67,8 @@ for path, res in load("mqar_*.json", "python experiments/mqar.py").items():
 # %% [markdown]
 # ## Kernel benchmarks
 #
-# GPU (H200): the HLA2 Pallas kernel against our XLA chunked path, cuDNN attention and the
-# `jla` Mosaic kernels, forward / forward+backward ms at a fixed token budget.
+# GPU (H200): our Pallas kernels against our XLA chunked paths, cuDNN attention and the `jla`
+# wheel's kernels, forward / forward+backward ms at a fixed token budget.
 
 # %%
 for res in load("kernels_bench.json", "python experiments/bench_kernels.py").values():
@@ -76,12 +76,32 @@ for res in load("kernels_bench.json", "python experiments/bench_kernels.py").val
     display(Markdown(md.read_text() if md.exists() else res["note"]))
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in dict.fromkeys(r["method"] for r in res["rows"]):
-        pts = sorted((r["T"], r["fwd_bwd_ms"]) for r in res["rows"] if r["method"] == method)
-        ax.plot(*zip(*pts), marker="o", label=method)
+        pts = sorted((r["T"], r["fwd_bwd_ms"]) for r in res["rows"]
+                     if r["method"] == method and "fwd_bwd_ms" in r)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=method)
     ax.set(xscale="log", yscale="log", xlabel="T (B·T fixed)", ylabel="fwd+bwd ms",
            title=f"{res['device']}, {res['dtype']}, H={res['H']}, d={res['d']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    plt.show()
+
+# %% [markdown]
+# ## Training throughput
+#
+# ~150M-parameter byte LMs at context 8192, 100 steps each (`experiments/train_throughput.py`).
+
+# %%
+for res in load("train_throughput_*.json", "python experiments/train_throughput.py").values():
+    ok = [r for r in res["rows"] if "tokens_per_s" in r]
+    display(Markdown(common.markdown_table(
+        ["mixer", "params", "tokens/s", "MFU", "peak GiB", "final loss"],
+        [[r["mixer"], f"{r['params'] / 1e6:.1f}M", f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%",
+          f"{r['peak_bytes'] / 2**30:.1f}", f"{r['final_loss']:.3f}"] for r in ok])))
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.barh([r["mixer"] for r in ok], [r["tokens_per_s"] for r in ok])
+    ax.set(xlabel=f"tokens/s ({ok[0]['device']}, T={ok[0]['seq_len']})")
+    ax.invert_yaxis()
     plt.show()
 
 # %% [markdown]
