@@ -8,9 +8,10 @@ a second kernel call on a 16-wide value tile ``[1, 0, …, 0]``).
 Same design as ``hla2_pallas`` (plumbing in ``kernels/wrap.py``): one program per (batch, head,
 value tile) walks the chunks with the float32 state ``(P, E)``, both ``d×bv``, on chip
 (``kernels/ahla_chunk.py``); ``jax.custom_vjp`` whose backward re-runs the forward to save every
-chunk's incoming state, then walks the chunks in reverse.  The NVIDIA path (``kernels/gpu/ahla``,
-Triton) and the TPU path (``kernels/tpu/ahla``, Mosaic) are tested in interpret mode and checked
-to lower for an H200 resp. a TPU; neither has run on that hardware here.
+chunk's incoming state, then walks the chunks in reverse.  The NVIDIA path (``kernels/gpu/walk``,
+Triton) passes the H200 check in bf16 (``experiments/check_kernels_gpu.py``); the TPU path
+(``kernels/tpu/walk``, Mosaic) is tested in interpret mode and checked to lower only: no TPU was
+available.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ recomputes it) and ``P, F: d×bv`` on chip (``kernels/hla3_chunk.py``); ``jax.cu
 backward re-runs the forward to save every chunk's incoming state, then walks the chunks in
 reverse with the cotangent state ``(dS + dSᵀ, dP, dF)``.  The backward's value tile defaults to
 32 (``block_v_bwd``): its carry at ``d = 128`` is then 64 KiB (``dS``) + 32 KiB (``dP, dF``) of
-float32, as HLA2's backward at its 64-wide tile.  The NVIDIA path (``kernels/gpu/hla3``, Triton)
-is checked to lower for an H200; the TPU path (``kernels/tpu/hla3``, Mosaic) is tested in
+float32, as HLA2's backward at its 64-wide tile.  The NVIDIA path (``kernels/gpu/walk``, Triton)
+passes the H200 check in bf16; the TPU path (``kernels/tpu/walk``, Mosaic) is tested in
 interpret mode only: no TPU was available.
 """
 

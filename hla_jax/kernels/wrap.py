@@ -1,11 +1,14 @@
-"""Shared plumbing of the chunked Pallas HLA operators (``hla2_pallas``, ``ahla_pallas``, ``hla3_pallas``).
+"""Shared plumbing of the chunked Pallas HLA operators (``hla2_pallas``, ``ahla_pallas``,
+``hla3_pallas``).
 
-An operator family ``f`` provides ``kernels/gpu/f.py`` (Triton) and ``kernels/tpu/f.py``
-(Mosaic) with the same interface:
+A family ``f`` is its one-chunk step ``kernels/f_chunk.py`` (``chunk_forward``,
+``chunk_backward``) and its state layout ``LAYOUTS[f]`` (``DD``: ``d×d``, ``DV``: ``d×dv``); the
+chunk walks ``kernels/gpu/walk.py`` (Triton) and ``kernels/tpu/walk.py`` (Mosaic) run any
+family:
 
 - ``forward(q, k, v, b, *, c, bv, save_states=False, num_warps, interpret)``: ``q, k [B,Tp,H,d]``,
   ``v [B,Tp,H,dv]``, ``b [B,H,Tp]`` (per-chunk cumulative log-decay) -> ``O [B,Tp,H,dv]`` float32,
-  and with ``save_states`` also every chunk's incoming state (any number of arrays);
+  and with ``save_states`` also every chunk's incoming states;
 - ``backward(q, k, v, b, *states, do, *, c, bv, num_warps, interpret)`` -> ``(dq, dk) [nv,B,Tp,H,d]``
   (one share per value tile), ``dv [B,Tp,H,dv]``, ``db [nv,B,H,Tp]``, all float32.
 
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from hla_jax.kernels.gpu.walk import DD, DV
 from hla_jax.ops.common import check_gate, check_qkv, clamp_signed
 
 LOG_DECAY_FLOOR = -30.0
@@ -46,10 +51,21 @@ class Config(NamedTuple):
     platform: str = "gpu"
 
 
-def kernels(cfg: Config):
-    """The kernel module ``hla_jax.kernels.{gpu|tpu}.{family}``."""
-    backend = "tpu" if cfg.platform == "tpu" else "gpu"
-    return importlib.import_module(f"hla_jax.kernels.{backend}.{cfg.family}")
+LAYOUTS = {"hla2": (DD, DV), "ahla": (DV, DV), "hla3": (DD, DV, DV)}  # (S, U), (P, E), (S, P, F)
+
+
+class Kernels(NamedTuple):
+    forward: Callable
+    backward: Callable
+
+
+def kernels(cfg: Config) -> Kernels:
+    """``cfg.family``'s chunk step in the chunk walk of ``cfg.platform`` ("gpu" | "tpu")."""
+    walk = importlib.import_module(f"hla_jax.kernels.{'tpu' if cfg.platform == 'tpu' else 'gpu'}.walk")
+    chunk = importlib.import_module(f"hla_jax.kernels.{cfg.family}_chunk")
+    layout = LAYOUTS[cfg.family]
+    return Kernels(functools.partial(walk.forward, chunk.chunk_forward, layout),
+                   functools.partial(walk.backward, chunk.chunk_backward, layout))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from hla_jax.kernels.gpu.hla2 import compiler_params
+from hla_jax.kernels.gpu.walk import compiler_params
 from hla_jax.kernels.hla2_chunk import F32
 from hla_jax.kernels.loglinear_chunk import (
     block_end,

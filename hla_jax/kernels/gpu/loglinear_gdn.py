@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from hla_jax.kernels import loglinear_gdn_chunk as chunk
-from hla_jax.kernels.gpu.hla2 import compiler_params
+from hla_jax.kernels.gpu.walk import compiler_params
 from hla_jax.kernels.hla2_chunk import F32
 
 

@@ -1,7 +1,7 @@
 """Log-linear Mamba-2 chunked kernels for TPU (Mosaic).  UNTESTED ON TPU HARDWARE: no TPU was
 available; the tests run these in interpret mode on CPU and check the Mosaic lowering.
 
-The TPU way of layout (a), as ``kernels/tpu/hla2.py``: grid ``(B, H, N)`` with the chunk axis last
+The TPU way of layout (a), as ``kernels/tpu/walk.py``: grid ``(B, H, N)`` with the chunk axis last
 and sequential ("arbitrary"); each step's ``[c, ·]`` tiles arrive by the pipeline's DMA, and the
 lazy counter's ``P`` float32 ``d×dv`` slot states (``kernels/loglinear_chunk.py``) persist across
 the chunk axis in VMEM scratch ``[P, d, dv]``, reset at the first chunk; a chunk reads its live
@@ -32,7 +32,7 @@ from hla_jax.kernels.loglinear_chunk import (
     num_slots,
     take,
 )
-from hla_jax.kernels.tpu.hla2 import compiler_params, heads_first
+from hla_jax.kernels.tpu.walk import compiler_params, heads_first
 
 
 def specs(c, N, Ln, rev):

@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from hla_jax.kernels import loglinear_gdn_chunk as chunk
 from hla_jax.kernels.hla2_chunk import F32
-from hla_jax.kernels.tpu.hla2 import heads_first
+from hla_jax.kernels.tpu.walk import heads_first
 
 
 def _by_chunk(x, c):
