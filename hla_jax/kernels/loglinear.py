@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.kernels.loglinear_chunk import num_slots
-from hla_jax.kernels.wrap import chunk_log_decay, pad, pow2_at_least
+from hla_jax.kernels.wrap import backend_module, chunk_log_decay, launch, pad, pow2_at_least
 from hla_jax.ops import fenwick
 from hla_jax.ops.common import check_gate, check_qkv
 from hla_jax.ops.loglinear import check_lam
@@ -49,17 +49,13 @@ class Config(NamedTuple):
     """Static kernel settings: chunk, value tile, warps, interpret mode, platform."""
     c: int
     bv: int
-    warps: int = 8
+    num_warps: int = 8
     interpret: bool = False
     platform: str = "gpu"
 
 
 def _kernels(platform: str):
-    if platform == "tpu":
-        from hla_jax.kernels.tpu import loglinear as mod
-    else:
-        from hla_jax.kernels.gpu import loglinear as mod
-    return mod
+    return backend_module(platform, "loglinear")
 
 
 def chunk_levels(T: int, c: int) -> int:
@@ -102,7 +98,7 @@ def loglinear_core(q, k, v, b, lam, cfg: Config):
     """Log-linear Mamba-2 on padded inputs: ``q, k [B,Tp,H,d]``, ``v [B,Tp,H,dv]``, ``b [B,H,Tp]``
     (per-chunk cumulative log-decay), ``lam [B,H,Ln,Tp]`` -> ``[B,Tp,H,dv]`` float32."""
     return _kernels(cfg.platform).forward(q, k, v, b, lam, _scales(b, lam, cfg.c), c=cfg.c,
-                                          bv=cfg.bv, num_warps=cfg.warps, interpret=cfg.interpret)
+                                          bv=cfg.bv, num_warps=cfg.num_warps, interpret=cfg.interpret)
 
 
 def _core_fwd(q, k, v, b, lam, cfg):
@@ -112,7 +108,7 @@ def _core_fwd(q, k, v, b, lam, cfg):
 def _core_bwd(cfg, res, do):
     q, k, v, b, lam = res
     mod = _kernels(cfg.platform)
-    kw = dict(c=cfg.c, bv=cfg.bv, num_warps=cfg.warps, interpret=cfg.interpret)
+    kw = dict(c=cfg.c, bv=cfg.bv, num_warps=cfg.num_warps, interpret=cfg.interpret)
     s = _scales(b, lam, cfg.c)
     _, W = mod.forward(q, k, v, b, lam, s, save_states=True, **kw)
     dq, dk, dv, db, dlam = mod.backward(q, k, v, b, lam, s, W, do.astype(q.dtype), **kw)
@@ -143,18 +139,10 @@ def loglinear_mamba2_pallas(q, k, v, g, lam, *, chunk_size=64, interpret=None, b
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name, required=True)
     lam = check_lam(lam, B, T, H, name=name)
-    c = chunk_size
-    if not isinstance(c, int) or c < 16 or c & (c - 1):
-        raise ValueError(f"{name}: chunk_size must be a power of two >= 16, got {c!r}")
-    if not isinstance(block_v, int) or block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"{name}: block_v must be a power of two >= 16, got {block_v!r}")
-    backend = jax.default_backend()
-    interpret = backend == "cpu" if interpret is None else bool(interpret)
-    platform = platform or ("tpu" if backend == "tpu" else "gpu")
-    dt = jnp.bfloat16 if all(x.dtype == jnp.bfloat16 for x in (q, k, v)) else jnp.float32
-    Tp = -(-T // c) * c
+    c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, chunk_size=chunk_size,
+                                                block_v=block_v, interpret=interpret,
+                                                platform=platform)
     P = chunk_levels(T, c)
-    dp = pow2_at_least(max(d, 16))
     bv = value_tile(block_v, dp, dv, P)
     dvp = -(-dv // bv) * bv
     cfg = Config(c, bv, num_warps, interpret, platform)

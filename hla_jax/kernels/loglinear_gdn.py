@@ -28,32 +28,18 @@ multiple of the value tile, ``T`` to a multiple of ``chunk_size`` (a power of tw
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from hla_jax.kernels.loglinear import chunk_levels, levels_first, value_tile
-from hla_jax.kernels.wrap import chunk_log_decay, pad, pow2_at_least
+from hla_jax.kernels.loglinear import Config, chunk_levels, levels_first, value_tile
+from hla_jax.kernels.wrap import backend_module, chunk_log_decay, launch, pad
 from hla_jax.ops.common import check_gate, check_per_token, check_qkv
 from hla_jax.ops.loglinear import check_lam
 
 
-class Config(NamedTuple):
-    """Static kernel settings: chunk, value tile, warps, interpret mode, platform."""
-    c: int
-    bv: int
-    num_warps: int = 8
-    interpret: bool = False
-    platform: str = "gpu"
-
-
 def _kernels(platform: str):
-    if platform == "tpu":
-        from hla_jax.kernels.tpu import loglinear_gdn as mod
-    else:
-        from hla_jax.kernels.gpu import loglinear_gdn as mod
-    return mod
+    return backend_module(platform, "loglinear_gdn")
 
 
 def _ut(cfg, q, k, v, b, beta, lam):
@@ -111,16 +97,9 @@ def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, int
     g = check_gate(g, B, T, H, name=name, required=True)
     beta = check_per_token(beta, B, T, H, "beta", name=name)
     lam = check_lam(lam, B, T, H, name=name)
-    c = chunk_size
-    if not isinstance(c, int) or c < 16 or c & (c - 1):
-        raise ValueError(f"{name}: chunk_size must be a power of two >= 16, got {c!r}")
-    if not isinstance(block_v, int) or block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"{name}: block_v must be a power of two >= 16, got {block_v!r}")
-    backend = jax.default_backend()
-    interpret = backend == "cpu" if interpret is None else bool(interpret)
-    platform = platform or ("tpu" if backend == "tpu" else "gpu")
-    dt = jnp.bfloat16 if all(x.dtype == jnp.bfloat16 for x in (q, k, v)) else jnp.float32
-    Tp, dp = -(-T // c) * c, pow2_at_least(max(d, 16))
+    c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, chunk_size=chunk_size,
+                                                block_v=block_v, interpret=interpret,
+                                                platform=platform)
     S = chunk_levels(T, c)  # chunk levels log2 c + 1 .. log2 c + S
     bv = value_tile(block_v, dp, dv, S)
     dvp = -(-dv // bv) * bv

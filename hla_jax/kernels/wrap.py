@@ -61,7 +61,7 @@ class Kernels(NamedTuple):
 
 def kernels(cfg: Config) -> Kernels:
     """``cfg.family``'s chunk step in the chunk walk of ``cfg.platform`` ("gpu" | "tpu")."""
-    walk = importlib.import_module(f"hla_jax.kernels.{'tpu' if cfg.platform == 'tpu' else 'gpu'}.walk")
+    walk = backend_module(cfg.platform, "walk")
     chunk = importlib.import_module(f"hla_jax.kernels.{cfg.family}_chunk")
     layout = LAYOUTS[cfg.family]
     return Kernels(functools.partial(walk.forward, chunk.chunk_forward, layout),
@@ -110,6 +110,37 @@ def chunk_log_decay(g, c: int):
     return jnp.transpose(b.reshape(B, Tp, H), (0, 2, 1))
 
 
+class Launch(NamedTuple):
+    """What every Pallas operator derives from its inputs: the chunk ``c``, the padded length
+    ``Tp`` and key width ``dp`` (a power of two >= 16), the matmul dtype ``dt`` (bf16 when all
+    of q, k, v are bf16, else float32), interpret mode and platform ("gpu" | "tpu")."""
+    c: int
+    Tp: int
+    dp: int
+    dt: object
+    interpret: bool
+    platform: str
+
+
+def launch(name, q, k, v, *, chunk_size, block_v, interpret, platform) -> Launch:
+    """``Launch`` of the operator ``name`` (ValueErrors name ``chunk_size`` / ``block_v``);
+    ``interpret=None`` is interpret mode on CPU only, ``platform=None`` the default backend's."""
+    for arg, x in (("chunk_size", chunk_size), ("block_v", block_v)):
+        if not isinstance(x, int) or x < 16 or x & (x - 1):
+            raise ValueError(f"{name}: {arg} must be a power of two >= 16, got {x!r}")
+    backend = jax.default_backend()
+    T, d = q.shape[1], q.shape[-1]
+    return Launch(chunk_size, -(-T // chunk_size) * chunk_size, pow2_at_least(max(d, 16)),
+                  jnp.bfloat16 if all(x.dtype == jnp.bfloat16 for x in (q, k, v)) else jnp.float32,
+                  backend == "cpu" if interpret is None else bool(interpret),
+                  platform or ("tpu" if backend == "tpu" else "gpu"))
+
+
+def backend_module(platform: str, name: str):
+    """The kernel module ``hla_jax.kernels.{gpu|tpu}.<name>``."""
+    return importlib.import_module(f"hla_jax.kernels.{'tpu' if platform == 'tpu' else 'gpu'}.{name}")
+
+
 def pallas_operator(family: str, q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64,
                     interpret=None, block_v=64, block_v_bwd=None, num_warps=8, num_warps_bwd=None,
                     platform=None):
@@ -118,15 +149,9 @@ def pallas_operator(family: str, q, k, v, g=None, *, normalize=False, eps=1e-6, 
     name = f"{family}_pallas"
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name)
-    c = chunk_size
-    if not isinstance(c, int) or c < 16 or c & (c - 1):
-        raise ValueError(f"{name}: chunk_size must be a power of two >= 16, got {c!r}")
-    backend = jax.default_backend()
-    interpret = backend == "cpu" if interpret is None else bool(interpret)
-    platform = platform or ("tpu" if backend == "tpu" else "gpu")
-    dt = jnp.bfloat16 if all(x.dtype == jnp.bfloat16 for x in (q, k, v)) else jnp.float32
-    Tp = -(-T // c) * c
-    dp = pow2_at_least(max(d, 16))
+    c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, chunk_size=chunk_size,
+                                                block_v=block_v, interpret=interpret,
+                                                platform=platform)
     bv = min(block_v, pow2_at_least(max(dv, 16)))
     dvp = -(-dv // bv) * bv
     cfg = Config(family, c, bv, min(block_v_bwd or bv, bv), num_warps, num_warps_bwd or num_warps,
