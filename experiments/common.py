@@ -33,6 +33,14 @@ def get_config(name: str, arg: str = ""):
     return module.get_config(arg or None)
 
 
+def compilation_cache(path: str) -> None:
+    """Share compiled programs between runs and processes with the same shapes (e.g. MQAR runs
+    that differ only in their data): JAX's persistent compilation cache under ``path`` ("" = off)."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def quiet(c):
     """Settings for runs inside a sweep: no per-step bar, no TensorBoard, synchronous saves
     (the workdir may be deleted right after), eval and one save only at the end."""

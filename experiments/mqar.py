@@ -13,7 +13,8 @@ mid-run). The eval ``accuracy`` (per query) of the final step is recorded; for e
 pairs) the best learning rate is kept. Results: ``<out>/mqar_<tag>.json`` (settings, every run,
 the best table, the paper's numbers), ``mqar_<tag>.png`` (accuracy vs pairs, one panel per dim)
 and ``mqar_<tag>.md`` (the Markdown tables, also printed). Runs already in the JSON are skipped,
-so an interrupted sweep resumes where it stopped.
+so an interrupted sweep resumes where it stopped. Compiled programs go to a persistent cache
+(``--jit_cache``): runs that differ only in their pair count reuse them, across shards too.
 
 Learning rates: Zoology's MQAR sweeps ``np.logspace(-4, -2, 4)`` (1e-4, 4.6e-4, 2.2e-3, 1e-2),
 which is the default here; the log-linear paper says it follows Zoology and keeps the best lr.
@@ -29,6 +30,7 @@ column if the paper meant the hardest setting instead.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import shutil
 import sys
@@ -87,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--keep", default="", help="keep each run's workdir under this folder")
     p.add_argument("--shard", default="0/1", help="i/n: run every n-th run starting at i")
     p.add_argument("--merge", action="store_true", help="only merge shard files and report")
+    p.add_argument("--jit_cache", default=os.path.join(tempfile.gettempdir(), "hla_jax_jit_cache"),
+                   help="persistent compilation cache shared by runs and shards ('' = off)")
     args = p.parse_args(argv)
     args.mixers = [m for m in args.mixers.split(",") if m]
     bad = [m for m in args.mixers if m not in MIXERS]
@@ -217,6 +221,7 @@ def finish(res: dict, out: pathlib.Path, tag: str) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    common.compilation_cache(args.jit_cache)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     i, n = (int(x) for x in args.shard.split("/"))

@@ -24,7 +24,7 @@ def _outputs(out, stem):
 def test_mqar_sweep_resumes_and_keeps_checkpoints(tmp_path):
     argv = ["--mixers", "linear", "--dims", "16", "--pairs", "4", "--lrs", "3e-3", "--seq_len", "32",
             "--steps", "20", "--batch", "8", "--eval_steps", "1", "--tag", "t", "--out", str(tmp_path),
-            "--keep", str(tmp_path / "runs")]
+            "--keep", str(tmp_path / "runs"), "--jit_cache", ""]
     mqar.main(argv)
     res, md = _outputs(tmp_path, "mqar_t")
     key = "linear/d16/kv4/lr0.003"
@@ -45,7 +45,7 @@ def test_mqar_shards_merge(tmp_path):
     (tmp_path / "mqar_m.shard0of2.json").write_text(shard)
     (tmp_path / "mqar_m.shard1of2.json").write_text(shard.replace("0.01", "0.001").replace("0.5", "0.25"))
     mqar.main(["--merge", "--mixers", "hla2", "--dims", "16", "--pairs", "4", "--lrs", "1e-3,1e-2",
-               "--tag", "m", "--out", str(tmp_path)])
+               "--tag", "m", "--out", str(tmp_path), "--jit_cache", ""])
     res, md = _outputs(tmp_path, "mqar_m")
     assert len(res["runs"]) == 2 and res["best"]["hla2"]["16"]["4"] == {
         "accuracy": 0.5, "row_accuracy": 0.1, "lr": 0.01}
