@@ -1,6 +1,7 @@
 """Metrics: JSONL always, TensorBoard event files when a writer library is importable, and the
 peak-FLOPs table behind MFU = achieved model FLOP/s ÷ (peak FLOP/s per device × devices)."""
 
+import contextlib
 import json
 import pathlib
 import time
@@ -26,13 +27,11 @@ def peak_flops(device_kind: str, override: float = 0.0):
 def _tensorboard(logdir: pathlib.Path):
     """``scalar(tag, value, step)``, ``flush()`` and ``close()`` from tensorboardX, tensorboard
     or TensorFlow, whichever imports first; None when none does."""
-    try:
+    with contextlib.suppress(ImportError):
         from tensorboardX import SummaryWriter
         writer = SummaryWriter(str(logdir))
         return writer.add_scalar, writer.flush, writer.close
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
         writer = EventFileWriter(str(logdir))
@@ -42,8 +41,6 @@ def _tensorboard(logdir: pathlib.Path):
             writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
                                              summary=summary_pb2.Summary(value=[value])))
         return scalar, writer.flush, writer.close
-    except ImportError:
-        pass
     try:
         import tensorflow as tf
         tf.config.set_visible_devices([], "GPU")  # keep TensorFlow off the accelerators
