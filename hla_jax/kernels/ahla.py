@@ -9,7 +9,8 @@ Same design as ``hla2_pallas`` (plumbing in ``kernels/wrap.py``): one program pe
 value tile) walks the chunks with the float32 state ``(P, E)``, both ``d×bv``, on chip
 (``kernels/ahla_chunk.py``); ``jax.custom_vjp`` whose backward re-runs the forward to save every
 chunk's incoming state, then walks the chunks in reverse.  The NVIDIA path (``kernels/gpu/walk``,
-Triton) passes the H200 check in bf16 (``experiments/check_kernels_gpu.py``); the TPU path
+Triton) passes the H200 check in bf16 (``experiments/check_kernels_gpu.py``; float32 inputs at
+``d = 128`` exceed Triton's shared memory there); the TPU path
 (``kernels/tpu/walk``, Mosaic) is tested in interpret mode and checked to lower only: no TPU was
 available.
 """

@@ -21,8 +21,10 @@ every chunk it crossed).  ``dg`` by autodiff of the chunk cumulative log-decay
 (``wrap.chunk_log_decay``, floored at ``LOG_DECAY_FLOOR`` so a reset ``g = -inf`` stays finite).
 
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
-path (``kernels/gpu``) and the TPU path (``kernels/tpu``) pass the real Triton (sm_90) and Mosaic
-lowering in the tests, but were run in interpret mode only: no GPU or TPU was available.
+path (``kernels/gpu``, Triton lowering) passes the H200 check in bf16
+(``experiments/check_kernels_gpu.py``; float32 not yet run there); the TPU path
+(``kernels/tpu``, Mosaic) passes the Mosaic lowering but runs in interpret mode only: no TPU was
+available.
 Inputs other than all-bf16 run in float32; ``d`` is zero-padded to a power of two >= 16, ``dv``
 to a multiple of the value tile, ``T`` to a multiple of ``chunk_size`` (a power of two >= 16),
 ``lam`` to the ``lc + 1 + P`` levels the kernels read (more are never used).

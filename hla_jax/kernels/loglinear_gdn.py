@@ -19,8 +19,9 @@ cumulative log-decay (``chunk_log_decay``, floored at ``LOG_DECAY_FLOOR``: a res
 stays finite), ``dlam`` through its padding and transpose.
 
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
-path (``kernels/gpu``, Triton lowering) has not run on a GPU yet (lowering-tested only); the TPU
-path (``kernels/tpu``, Mosaic) is tested in interpret mode only: no TPU was available.  Inputs
+path (``kernels/gpu``, Triton lowering) passes the H200 check in bf16
+(``experiments/check_kernels_gpu.py``; float32 not yet run there); the TPU path
+(``kernels/tpu``, Mosaic) is tested in interpret mode only: no TPU was available.  Inputs
 other than all-bf16 run in float32; ``d`` is zero-padded to a power of two >= 16, ``dv`` to a
 multiple of the value tile, ``T`` to a multiple of ``chunk_size`` (a power of two >= 16).
 """
