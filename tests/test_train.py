@@ -25,6 +25,7 @@ from hla_jax.train import (
     train_and_evaluate,
 )
 from hla_jax.train import trainer as trainer_lib
+from hla_jax.train.config import base_config
 from hla_jax.train.optim import decay_mask
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -278,3 +279,14 @@ def test_nan_stops_cli_run_and_keeps_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in records)
     saved = [int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()]
     assert max(saved) == fail - 1
+
+
+def test_base_config_exposes_every_model_field():
+    """Every ``ModelConfig`` field can be set from the command line (``--config.model.<f>=...``);
+    ``seq_axis`` alone is derived (from ``mesh.sequence``)."""
+    import dataclasses
+
+    from hla_jax.nn import ModelConfig
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"seq_axis"}
+    assert set(base_config().model.keys()) == fields

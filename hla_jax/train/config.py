@@ -30,8 +30,13 @@ def base_config() -> ml_collections.ConfigDict:
         qk_norm=True,               # L2-normalise q/k in linear/HLA mixers
         conv_size=4,                # short causal depthwise conv width (0 = off)
         num_levels=16,              # log-linear λ levels (T <= 2**(num_levels-1))
-        impl="auto",                # operator impl: reference|recurrent|scan|chunked|auto
+        impl="auto",                # operator impl: reference|recurrent|scan|chunked|pallas|auto
         init_std=0.02,              # normal init std of matrices
+        rope_theta=10000.0,         # RoPE base (softmax mixer)
+        norm_eps=1e-6,              # RMSNorm epsilon
+        output_gate="silu",         # mixer output gate: silu | sigmoid | none
+        hla_decay=False,            # learned Mamba-style log-decay gate in linear/HLA mixers
+        hla_normalize=False,        # ratio-normalised HLA (SPEC §1 `normalize`)
     ))
     c.data = ml_collections.ConfigDict(dict(
         kind="text",                # text (bytes of files) | tokens (.npy memmap) | mqar | niah
