@@ -162,4 +162,7 @@ def train_workdirs(configs: dict, root) -> dict:
 
 
 def label(c) -> str:
-    return "+".join(c.model.mixer_pattern)
+    """The mixer pattern, plus the linear/HLA options that change the operator."""
+    extras = [name for name, field in (("decay", "hla_decay"), ("normalised", "hla_normalize"))
+              if c.model.get(field)]
+    return "+".join(c.model.mixer_pattern) + (f" ({', '.join(extras)})" if extras else "")
