@@ -2,6 +2,7 @@
 
     python experiments/train_throughput.py                          # the H200 run of the README
     python experiments/train_throughput.py --mixers softmax,hla2 --seq_len 8192 --steps 100
+    python experiments/train_throughput.py --mixers ahla,hla3 --impl pallas   # with the kernels
 
 Each mixer trains ``--steps`` steps of ``configs/lm.py`` (d_model 1024, 12 layers, 8 heads of
 128, bf16 compute, float32 parameters and optimizer state) on the embedded corpus, in its own
@@ -38,7 +39,7 @@ def run_one(a) -> dict:
 
     c = lm.get_config(f"mixer={a.one},size=small")
     c.model.update(d_model=a.d_model, n_layers=a.layers, n_heads=a.d_model // 128,
-                   max_seq_len=max(a.seq_len, 2048))
+                   max_seq_len=max(a.seq_len, 2048), impl=a.impl)
     c.data.update(seq_len=a.seq_len, batch_size=a.batch)
     c.optim.update(warmup_steps=10)
     c.train.update(num_steps=a.steps, log_every=a.steps // 2, eval_every=0, eval_steps=0,
@@ -52,7 +53,7 @@ def run_one(a) -> dict:
     cfg = ModelConfig.from_dict(c.model.to_dict())
     params = param_count(nnx.eval_shape(lambda: LM(cfg, rngs=nnx.Rngs(0))))
     return {"mixer": a.one, "seq_len": a.seq_len, "batch": a.batch, "steps": a.steps,
-            "d_model": a.d_model, "layers": a.layers, "params": params,
+            "d_model": a.d_model, "layers": a.layers, "impl": a.impl, "params": params,
             "tokens_per_s": out["train"]["tokens_per_s"], "mfu": out["train"]["mfu"],
             "final_loss": out["train"]["loss"], "peak_bytes": stats.get("peak_bytes_in_use"),
             "wall_s": wall, "device": jax.devices()[0].device_kind}
@@ -66,6 +67,7 @@ def main():
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--d_model", type=int, default=1024)
     p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--impl", default="auto", help="operator impl (model.impl), e.g. pallas")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mixer")
     p.add_argument("--logdir", default="", help="per-mixer logs (default: a temporary folder)")
     p.add_argument("--one", default="", help=argparse.SUPPRESS)
@@ -77,9 +79,9 @@ def main():
     logdir = a.logdir or tempfile.mkdtemp(prefix="train_throughput_")
     for mixer in a.mixers.split(","):
         cmd = [sys.executable, __file__, "--one", mixer] + [
-            f"--{k}={getattr(a, k)}" for k in ("seq_len", "batch", "steps", "d_model", "layers")]
+            f"--{k}={getattr(a, k)}" for k in ("seq_len", "batch", "steps", "d_model", "layers", "impl")]
         t0 = time.perf_counter()
-        log = os.path.join(logdir, f"{mixer}.log")
+        log = os.path.join(logdir, f"{mixer}.log" if a.impl == "auto" else f"{mixer}_{a.impl}.log")
         with open(log, "w") as f:
             try:
                 subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=a.timeout,
@@ -91,7 +93,7 @@ def main():
             lines = f.read().splitlines()
         results = [ln for ln in lines if ln.startswith("RESULT ")]
         row = json.loads(results[-1][7:]) if results else {
-            "mixer": mixer, "error": error or "no result", "log_tail": lines[-5:]}
+            "mixer": mixer, "impl": a.impl, "error": error or "no result", "log_tail": lines[-5:]}
         row.setdefault("wall_s", time.perf_counter() - t0)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -100,18 +102,20 @@ def main():
     path = os.path.join(RESULTS, f"train_throughput_{device}.json")
     if os.path.exists(path):  # runs split over several invocations: keep the other mixers' rows
         with open(path) as f:
-            ran = {r["mixer"] for r in rows}
-            rows = [r for r in json.load(f)["rows"] if r["mixer"] not in ran] + rows
+            key = lambda r: (r["mixer"], r.get("impl", "auto"))
+            ran = {key(r) for r in rows}
+            rows = [r for r in json.load(f)["rows"] if key(r) not in ran] + rows
     with open(path, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
     print("\n| mixer | params | tokens/s | MFU | peak GiB | final loss |\n|---|---|---|---|---|---|")
     for r in rows:
+        name = r["mixer"] + ("" if r.get("impl", "auto") == "auto" else f" ({r['impl']})")
         if "error" in r:
-            print(f"| {r['mixer']} | – | – | – | – | {r['error']}: {(r.get('log_tail') or [''])[-1][:120]} |")
+            print(f"| {name} | – | – | – | – | {r['error']}: {(r.get('log_tail') or [''])[-1][:120]} |")
             continue
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
-        print(f"| {r['mixer']} | {r['params'] or 'n/a'} | {r['tokens_per_s']:.0f} | {mfu} | {peak} | "
+        print(f"| {name} | {r['params'] or 'n/a'} | {r['tokens_per_s']:.0f} | {mfu} | {peak} | "
               f"{r['final_loss']:.3f} |")
     print(f"written {path}; per-mixer logs in {logdir}")
 
