@@ -187,3 +187,13 @@ def test_auto_prefers_the_kernel_only_for_bf16_on_a_gpu(monkeypatch):
     assert pallas_preferred(None, bf16, bf16)
     assert not pallas_preferred(None, bf16, f32)
     assert not pallas_preferred("sequence", bf16, bf16)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_at_head_dim_128_is_refused_on_gpu(rng, family):
+    """float32 at d=128 does not fit Triton's shared memory on an H200: a clear error up front,
+    not a failed compile minutes later."""
+    q, k, v = make_qkv(rng, 1, 16, 1, 128, 16)
+    fn = getattr(kernels, f"{family}_pallas")
+    with pytest.raises(ValueError, match="bf16"):
+        fn(q, k, v, interpret=False, platform="gpu")

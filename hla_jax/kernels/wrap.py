@@ -36,6 +36,7 @@ from hla_jax.kernels.gpu.walk import DD, DV
 from hla_jax.ops.common import check_gate, check_qkv, clamp_signed
 
 LOG_DECAY_FLOOR = -30.0
+F32_GPU_MAX_D = 128  # float32 inputs from this (padded) head dim on exceed Triton's shared memory
 
 
 class Config(NamedTuple):
@@ -152,6 +153,11 @@ def pallas_operator(family: str, q, k, v, g=None, *, normalize=False, eps=1e-6, 
     c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, chunk_size=chunk_size,
                                                 block_v=block_v, interpret=interpret,
                                                 platform=platform)
+    if platform == "gpu" and not interpret and dt == jnp.float32 and dp >= F32_GPU_MAX_D:
+        raise ValueError(
+            f"{name}: float32 q, k, v with head dim {d} (padded to {dp}) need more GPU shared "
+            f"memory than Triton has (hla2 and ahla at d=128 failed to compile on an H200); pass "
+            f"bf16 inputs (float32 state either way) or use the operator's impl='chunked'")
     bv = min(block_v, pow2_at_least(max(dv, 16)))
     dvp = -(-dv // bv) * bv
     cfg = Config(family, c, bv, min(block_v_bwd or bv, bv), num_warps, num_warps_bwd or num_warps,
