@@ -182,11 +182,12 @@ def test_auto_prefers_the_kernel_only_for_bf16_on_a_gpu(monkeypatch):
     from hla_jax.ops.common import pallas_preferred
 
     bf16, f32 = jnp.zeros((1, 4, 1, 16), jnp.bfloat16), jnp.zeros((1, 4, 1, 16), jnp.float32)
-    assert not pallas_preferred(None, bf16, bf16)  # this machine is a CPU
+    assert not pallas_preferred(None, 64, bf16, bf16)  # this machine is a CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert pallas_preferred(None, bf16, bf16)
-    assert not pallas_preferred(None, bf16, f32)
-    assert not pallas_preferred("sequence", bf16, bf16)
+    assert pallas_preferred(None, 64, bf16, bf16)
+    assert not pallas_preferred(None, 64, bf16, f32)
+    assert not pallas_preferred("sequence", 64, bf16, bf16)
+    assert not pallas_preferred(None, 8, bf16, bf16)  # the kernels' chunks are >= 16
 
 
 @pytest.mark.parametrize("family", FAMILIES)

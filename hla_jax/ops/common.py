@@ -206,13 +206,14 @@ def empty_segment(like, axis: int):
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def pallas_preferred(seq_axis, *xs) -> bool:
+def pallas_preferred(seq_axis, chunk_size: int, *xs) -> bool:
     """Whether ``impl="auto"`` takes a family's Pallas kernel: on a GPU, all inputs bf16, time not
-    sharded; the configuration checked on an H200 and measured faster there than the XLA chunked
-    form (``experiments/results/kernels_*``).  Float32 at d=128 exceeds Triton's shared memory for
-    some kernels, and the TPU kernels have never run on a TPU: XLA chunked there."""
-    return (seq_axis is None and jax.default_backend() == "gpu"
-            and all(x.dtype == jnp.bfloat16 for x in xs))
+    sharded, a chunk the kernels take (a power of two >= 16); the configuration checked on an H200
+    and measured faster there than the XLA chunked form (``experiments/results/kernels_*``).
+    Float32 at d=128 exceeds Triton's shared memory, and the TPU kernels have never run on a TPU:
+    XLA chunked there."""
+    return (seq_axis is None and jax.default_backend() == "gpu" and chunk_size >= 16
+            and chunk_size & (chunk_size - 1) == 0 and all(x.dtype == jnp.bfloat16 for x in xs))
 
 
 def matmul_precision(*xs):

@@ -147,7 +147,7 @@ def dispatch(family: Family, impl, impls, q, k, v, g=None, *, normalize=False, e
     chunk_size = check_chunk_size(chunk_size)
     B, T, H, _, _ = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name)
-    if impl == "auto" and auto_kernel and pallas_preferred(seq_axis, q, k, v):
+    if impl == "auto" and auto_kernel and pallas_preferred(seq_axis, chunk_size, q, k, v):
         impl = "pallas"
     if impl == "reference":
         return family.reference(q, k, v, g, normalize=normalize, eps=eps)

@@ -329,13 +329,13 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
     """
     impl = common.check_impl(impl, IMPLS, name=name)
-    if impl == "auto" and name in KERNELS and common.pallas_preferred(seq_axis, q, k, v):
-        impl = "pallas"
     if impl == "pallas" and name not in KERNELS:
         raise ValueError(f"{name}: impl='pallas' has kernels for {KERNELS} only")
     sequence.check_impl(impl, seq_axis, name=name)
     chunk_size = common.check_chunk_size(chunk_size)
     B, T, H, _, _ = common.check_qkv(q, k, v, name=name)
+    if impl == "auto" and name in KERNELS and common.pallas_preferred(seq_axis, chunk_size, q, k, v):
+        impl = "pallas"
     g = common.check_gate(g, B, T, H, name=name, required=gate_required)
     g = common.gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)
     if beta is not None:
