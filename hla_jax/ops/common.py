@@ -206,6 +206,14 @@ def empty_segment(like, axis: int):
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def pallas_entry(name: str):
+    """``hla_jax.kernels.<name>_pallas``, the operator ``name``'s Pallas kernel, imported at call
+    time (the kernels import ops)."""
+    from hla_jax import kernels
+
+    return getattr(kernels, f"{name}_pallas")
+
+
 def pallas_preferred(seq_axis, chunk_size: int, *xs) -> bool:
     """Whether ``impl="auto"`` takes a family's Pallas kernel: on a GPU, all inputs bf16, time not
     sharded, a chunk the kernels take (a power of two >= 16); the configuration checked on an H200

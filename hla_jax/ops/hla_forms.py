@@ -28,6 +28,7 @@ from hla_jax.ops.common import (
     empty_segment,
     from_chunks,
     pad_time,
+    pallas_entry,
     pallas_preferred,
     ratio_last_column,
     scan_time,
@@ -124,13 +125,10 @@ def chunked(family: Family, q, k, v, g=None, *, normalize=False, eps=1e-6, chunk
 
 
 def pallas(name: str):
-    """``impl="pallas"`` of the family ``name``: ``hla_jax.kernels.<name>_pallas`` (imported at call
-    time: the kernels import ops), with the ``dispatch`` kernel signature."""
+    """``impl="pallas"`` of the family ``name`` (``common.pallas_entry``), with the ``dispatch``
+    kernel signature."""
     def kernel(q, k, v, g, *, normalize, eps, chunk_size):
-        from hla_jax import kernels
-
-        fn = getattr(kernels, f"{name}_pallas")
-        return fn(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size)
+        return pallas_entry(name)(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size)
     return kernel
 
 

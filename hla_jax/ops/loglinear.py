@@ -345,11 +345,9 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
         fenwick.chunk_log2(chunk_size)
     if impl == "reference":
         return _reference(q, k, v, g, beta, lam)
-    if impl == "pallas":  # hla_jax.kernels.<name>_pallas; the kernels import ops: resolve here
-        from hla_jax import kernels
-
+    if impl == "pallas":
         extra = () if beta is None else (beta,)
-        return getattr(kernels, f"{name}_pallas")(q, k, v, g, *extra, lam, chunk_size=chunk_size)
+        return common.pallas_entry(name)(q, k, v, g, *extra, lam, chunk_size=chunk_size)
     with common.matmul_precision(q, k, v):
         if impl in ("recurrent", "scan"):
             return _JITTED[impl](q, k, v, g, beta, lam)
