@@ -4,7 +4,7 @@ first-order Mosaic GPU ``simple_gla`` / ``gated_deltanet`` kernels, plain-JAX
 ``log_linear_simple_gla``), on one GPU.
 
     python experiments/bench_kernels.py [--T 2048,8192,32768,65536] [--tokens 65536] [--out DIR]
-    python experiments/bench_kernels.py --tune 8192 --T 8192,65536   # pick hla2 settings first
+    python experiments/bench_kernels.py --tune 8192 --T 8192,65536   # pick HLA settings first
     python experiments/bench_kernels.py --methods hla2_pallas,cudnn_causal --budget 300
 
 ``jla_log_linear_simple_gla`` runs out of memory at B·T = 65536, so it and a twin row of our
@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from hla_jax import kernels, ops
-from hla_jax.kernels import hla2_pallas
 from hla_jax.ops import fenwick
 
 H, D = 16, 128
@@ -47,18 +46,22 @@ def timeit(fn, *args, repeats=10):
 
 
 def kernel_flops(B, T, c=64, d=D, dv=D, bv=64, bv_bwd=64):
-    """Matmul FLOPs the HLA2 kernels execute (value tiles repeat the ``S`` work):
-    forward, and forward+backward (= forward + recompute forward + reverse kernel)."""
+    """Matmul FLOPs the HLA2 kernels execute (value tiles repeat the ``S`` work): forward, and
+    forward+backward (= forward + ``states`` walk (counted as a forward) + ``dstates`` walk
+    (the six matmuls its state cotangents need) + chunk-parallel ``grads``)."""
     heads_chunks = B * H * (-(-T // c))
 
     def fwd(bv):
         return 2 * (2 * c * c * d + 2 * c * d * d + c ** 3 + 3 * c * d * bv + 2 * c * c * bv) * (dv // bv)
 
-    def bwd(bv):
+    def dstates(bv):
+        return 2 * (2 * c * c * bv + 2 * c * d * bv + c * c * d + 2 * c * d * d) * (dv // bv)
+
+    def grads(bv):
         return 2 * (6 * c * c * d + 5 * c * d * d + 3 * c ** 3 + 7 * c * d * bv + 5 * c * c * bv) * (dv // bv)
 
     f = heads_chunks * fwd(bv)
-    return f, 2 * f + heads_chunks * bwd(bv_bwd), heads_chunks * fwd(dv)
+    return f, 2 * f + heads_chunks * (dstates(bv_bwd) + grads(bv_bwd)), heads_chunks * fwd(dv)
 
 
 def inputs(B, T, seed=0):
@@ -83,14 +86,18 @@ def fwd_bwd(fn):
 SMALL_TOKENS = {"jla_log_linear_simple_gla": 16384, "loglinear_mamba2_pallas_16k": 16384}
 
 
-def methods(kw):
-    """``{name: fn(q, k, v, g, beta, lam)}``; ``kw`` tunes ``hla2_pallas``."""
+def hla_kernel(family, kw):
+    return lambda q, k, v, g, beta, lam: getattr(kernels, f"{family}_pallas")(q, k, v, g, **kw)
+
+
+def methods(kws):
+    """``{name: fn(q, k, v, g, beta, lam)}``; ``kws[family]`` tunes ``<family>_pallas``."""
     out = {
-        "hla2_pallas": lambda q, k, v, g, beta, lam: hla2_pallas(q, k, v, g, **kw),
+        "hla2_pallas": hla_kernel("hla2", kws.get("hla2", {})),
         "hla2_xla_chunked": lambda q, k, v, g, beta, lam: ops.hla2(q, k, v, g, impl="chunked"),
-        "ahla_pallas": lambda q, k, v, g, beta, lam: kernels.ahla_pallas(q, k, v, g),
+        "ahla_pallas": hla_kernel("ahla", kws.get("ahla", {})),
         "ahla_xla_chunked": lambda q, k, v, g, beta, lam: ops.ahla(q, k, v, g, impl="chunked"),
-        "hla3_pallas": lambda q, k, v, g, beta, lam: kernels.hla3_pallas(q, k, v, g),
+        "hla3_pallas": hla_kernel("hla3", kws.get("hla3", {})),
         "hla3_xla_chunked": lambda q, k, v, g, beta, lam: ops.hla3(q, k, v, g, impl="chunked"),
         "loglinear_mamba2_pallas": lambda q, k, v, g, beta, lam: kernels.loglinear_mamba2_pallas(
             q, k, v, g, lam),
@@ -134,24 +141,36 @@ def matmul_tflops():
     return 2 * 8192 ** 3 / ms / 1e9
 
 
-def tune(T, tokens, repeats):
-    """Time a few kernel settings at one ``T``; return the fastest forward+backward's."""
+# (block_v, block_v_bwd, num_warps, num_warps_bwd, parallel_forward) tried by --tune
+SETTINGS = {
+    "hla2": [(64, 64, 8, 8, False), (64, 128, 8, 8, True), (64, 64, 4, 4, True)],
+    "ahla": [(64, 64, 8, 8, False), (128, 128, 8, 8, True)],
+    "hla3": [(64, 32, 8, 8, False), (64, 64, 8, 8, True)],
+}
+
+
+def tune(T, tokens, repeats, families):
+    """Time ``SETTINGS`` of each HLA family at one ``T``; ``{family: fastest fwd+bwd's kw}``."""
     B = tokens // T
     args = inputs(B, T)
-    best = (float("inf"), None)
-    for bv, bvb, nw, nwb in [(64, 64, 8, 8), (64, 32, 8, 4), (64, 32, 8, 8), (128, 32, 8, 4)]:
-        kw = dict(block_v=bv, block_v_bwd=bvb, num_warps=nw, num_warps_bwd=nwb)
-        fn = lambda q, k, v, g, beta, lam, kw=kw: hla2_pallas(q, k, v, g, **kw)
-        try:
-            t0 = time.perf_counter()
-            f = timeit(jax.jit(fn), *args[:6], repeats=repeats)
-            fb = timeit(fwd_bwd(fn), *args, repeats=repeats)
-            print(f"(with compiles {time.perf_counter() - t0:.0f} s)", end=" ")
-            print(f"tune T={T} {kw}: fwd {f:.2f} ms  fwd+bwd {fb:.2f} ms", flush=True)
-            best = min(best, (fb, kw), key=lambda x: x[0])
-        except Exception as e:
-            print(f"tune T={T} {kw}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    return best[1]
+    picked = {}
+    for family in families:
+        best = (float("inf"), None)
+        for bv, bvb, nw, nwb, par in SETTINGS[family]:
+            kw = dict(block_v=bv, block_v_bwd=bvb, num_warps=nw, num_warps_bwd=nwb, parallel_forward=par)
+            fn = hla_kernel(family, kw)
+            try:
+                t0 = time.perf_counter()
+                f = timeit(jax.jit(fn), *args[:6], repeats=repeats)
+                fb = timeit(fwd_bwd(fn), *args, repeats=repeats)
+                print(f"tune {family} T={T} {kw}: fwd {f:.2f} ms  fwd+bwd {fb:.2f} ms "
+                      f"(with compiles {time.perf_counter() - t0:.0f} s)", flush=True)
+                best = min(best, (fb, kw), key=lambda x: x[0])
+            except Exception as e:
+                print(f"tune {family} T={T} {kw}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        if best[1]:
+            picked[family] = best[1]
+    return picked
 
 
 def main():
@@ -159,7 +178,8 @@ def main():
     p.add_argument("--T", default="2048,8192,32768,65536")
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--tune", type=int, default=0, help="first pick kernel settings at this T")
+    p.add_argument("--tune", type=int, default=0, help="first pick HLA kernel settings at this T")
+    p.add_argument("--tune_families", default="hla2,ahla,hla3")
     p.add_argument("--skip", default="", help="comma-separated methods to leave out")
     p.add_argument("--methods", default="", help="comma-separated methods to run (default: all)")
     p.add_argument("--budget", type=float, default=0, help="seconds; 0 = no limit")
@@ -167,16 +187,18 @@ def main():
     p.add_argument("--block_v_bwd", type=int, default=64)
     p.add_argument("--num_warps", type=int, default=8)
     p.add_argument("--num_warps_bwd", type=int, default=8)
+    p.add_argument("--parallel_forward", action="store_true")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args()
     kw = dict(block_v=a.block_v, block_v_bwd=a.block_v_bwd, num_warps=a.num_warps,
-              num_warps_bwd=a.num_warps_bwd)
+              num_warps_bwd=a.num_warps_bwd, parallel_forward=a.parallel_forward)
+    kws = {"hla2": kw}
     if a.tune:
-        kw = tune(a.tune, a.tokens, a.repeats) or kw
+        kws |= tune(a.tune, a.tokens, a.repeats, a.tune_families.split(","))
     mm = matmul_tflops()
     print(f"bf16 matmul 8192^3: {mm:.0f} TFLOP/s", flush=True)
     rows, t_start = [], time.perf_counter()
-    chosen = methods(kw)
+    chosen = methods(kws)
     if a.methods:
         chosen = {n: f for n, f in chosen.items() if n in a.methods.split(",")}
     for T in (int(t) for t in a.T.split(",")):
@@ -197,14 +219,15 @@ def main():
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             if name == "hla2_pallas" and "fwd_ms" in row:
-                f, fb, useful = kernel_flops(B, T, bv=kw["block_v"], bv_bwd=kw["block_v_bwd"])
+                f, fb, useful = kernel_flops(B, T, bv=kws["hla2"]["block_v"],
+                                             bv_bwd=kws["hla2"]["block_v_bwd"])
                 row["fwd_tflops"] = f / row["fwd_ms"] / 1e9
                 row["fwd_bwd_tflops"] = fb / row["fwd_bwd_ms"] / 1e9
                 row["fwd_tflops_useful"] = useful / row["fwd_ms"] / 1e9
             rows.append(row)
             print(json.dumps(row), flush=True)
     res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, H=H, d=D, dv=D,
-               tokens=a.tokens, dtype="bfloat16", matmul_tflops=mm, kernel_settings=kw, rows=rows)
+               tokens=a.tokens, dtype="bfloat16", matmul_tflops=mm, kernel_settings=kws, rows=rows)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernels_bench.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -120,6 +120,34 @@ def test_kernel_rejects_bad_input(rng, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_parallel_forward_and_own_backward_tile(rng, family, platform):
+    """The forward as ``states`` walk + chunk-parallel ``outputs``, and a backward value tile
+    wider than the forward's, match the reference too."""
+    args = inputs(rng, 2, 40, 2, 16, 32, "token", False)
+    assert_matches(rng, kernel(family, chunk_size=16, block_v=16, block_v_bwd=32,
+                               parallel_forward=True, platform=platform),
+                   oracle(family, False), args)
+
+
+@pytest.mark.parametrize("family", ["hla2", "ahla"])
+def test_state_cotangents_do_not_depend_on_the_states(rng, family):
+    """HLA2 and AHLA are linear in their states, so ``dstates`` may run without them; HLA3's
+    are bilinear (``wrap.BILINEAR``) and need them."""
+    from hla_jax.kernels import wrap
+
+    assert family not in wrap.BILINEAR and "hla3" in wrap.BILINEAR
+    q, k, v = make_qkv(rng, 1, 48, 2, 16, 32)
+    b = wrap.chunk_log_decay(make_gate(rng, 1, 48, 2), 16)
+    do = jnp.asarray(rng.normal(size=v.shape), jnp.float32)
+    mod = wrap.kernels(wrap.Config(family, 16, 16, 16, interpret=True))
+    kw = dict(c=16, bv=16, interpret=True)
+    saved = mod.states(q, k, v, b, **kw)
+    for a, b_ in zip(mod.dstates(q, k, v, b, *saved, do, **kw), mod.dstates(q, k, v, b, do, **kw)):
+        assert_close(a, b_, 1e-6, "dstates")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("normalize", [False, True])
 def test_kernel_tpu_path_interpret(rng, family, normalize):
     """The Mosaic TPU kernels (interpret mode only: no TPU here) match the reference too."""
@@ -129,17 +157,19 @@ def test_kernel_tpu_path_interpret(rng, family, normalize):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("platform,c", [("cuda", 64), ("tpu", 128)])
-def test_kernel_lowers_for_hardware(family, platform, c):
+@pytest.mark.parametrize("platform,c,parallel", [("cuda", 64, False), ("cuda", 64, True), ("tpu", 128, True)])
+def test_kernel_lowers_for_hardware(family, platform, c, parallel):
     """Forward and backward pass the real Triton (H200) / Mosaic TPU lowering: no device needed."""
     B, T, H, d, dv = 1, 2 * c, 2, 128, 128
     x = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     fn = getattr(kernels, f"{family}_pallas")
     loss = lambda q, k, v, g: fn(q, k, v, g, normalize=True, chunk_size=c, interpret=False,
-                                 platform="tpu" if platform == "tpu" else "gpu").sum()
+                                 platform="tpu" if platform == "tpu" else "gpu",
+                                 parallel_forward=parallel).sum()
     text = lower_for(platform, jax.grad(loss, argnums=(0, 1, 2, 3)), x(B, T, H, d), x(B, T, H, d),
                      x(B, T, H, dv), jax.ShapeDtypeStruct((B, T, H), jnp.float32))
-    assert text.count(KERNEL_CALL[platform]) >= 4  # forward, saved-state forward, backward; ×2 (den)
+    # forward (or states + outputs), states, dstates, grads; ×2 (the denominator)
+    assert text.count(KERNEL_CALL[platform]) >= 8
 
 
 @pytest.mark.parametrize("name,extra", [("hla2", ()), ("ahla", ()), ("hla3", ()),

@@ -21,7 +21,8 @@ from hla_jax.kernels.wrap import pallas_operator
 
 
 def ahla_pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, interpret=None,
-                block_v=64, block_v_bwd=None, num_warps=8, num_warps_bwd=None, platform=None):
+                block_v=64, block_v_bwd=None, num_warps=8, num_warps_bwd=None, platform=None,
+                parallel_forward=False):
     """Asymmetric second-order HLA via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
 
     ``chunk_size`` (a power of two >= 16), ``block_v``/``block_v_bwd`` (value tiles, powers of two
@@ -32,4 +33,5 @@ def ahla_pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, in
     return pallas_operator("ahla", q, k, v, g, normalize=normalize, eps=eps,
                            chunk_size=chunk_size, interpret=interpret, block_v=block_v,
                            block_v_bwd=block_v_bwd, num_warps=num_warps,
-                           num_warps_bwd=num_warps_bwd, platform=platform)
+                           num_warps_bwd=num_warps_bwd, platform=platform,
+                           parallel_forward=parallel_forward)

@@ -6,15 +6,17 @@ A family ``f`` is its one-chunk step ``kernels/f_chunk.py`` (``chunk_forward``,
 chunk walks ``kernels/gpu/walk.py`` (Triton) and ``kernels/tpu/walk.py`` (Mosaic) run any
 family:
 
-- ``forward(q, k, v, b, *, c, bv, save_states=False, num_warps, interpret)``: ``q, k [B,Tp,H,d]``,
-  ``v [B,Tp,H,dv]``, ``b [B,H,Tp]`` (per-chunk cumulative log-decay) -> ``O [B,Tp,H,dv]`` float32,
-  and with ``save_states`` also every chunk's incoming states;
-- ``backward(q, k, v, b, *states, do, *, c, bv, num_warps, interpret)`` -> ``(dq, dk) [nv,B,Tp,H,d]``
-  (one share per value tile), ``dv [B,Tp,H,dv]``, ``db [nv,B,H,Tp]``, all float32.
+- ``forward``: ``q, k [B,Tp,H,d]``, ``v [B,Tp,H,dv]``, ``b [B,H,Tp]`` (per-chunk cumulative
+  log-decay) -> ``O [B,Tp,H,dv]`` float32, by one walk over the chunks;
+- ``states`` (a walk) and ``outputs`` (chunk-parallel): the same ``O`` in two kernels, through
+  every chunk's incoming states (``Config.parallel_forward``);
+- ``dstates`` (a reverse walk) and ``grads`` (chunk-parallel): the cotangents, from the saved
+  states and the cotangents of every chunk's outgoing states.
 
 ``chunked_core`` is the ``jax.custom_vjp`` over these: the forward keeps only its inputs; the
-backward re-runs the forward with ``save_states=True`` (recompute, transient) and then the
-reverse kernel.  ``pallas_operator`` is the public entry: input checks, padding (``T`` to the
+backward re-runs ``states`` (recompute, transient), walks ``dstates`` back, and then computes
+every chunk's ``dq, dk, dv, db`` at once: only the two cheap state walks are sequential.
+``pallas_operator`` is the public entry: input checks, padding (``T`` to the
 chunk, ``d`` to a power of two >= 16, ``dv`` to a multiple of the value tile), gates as
 ``chunk_log_decay``, ratio normalisation by a second call on a 16-wide value tile
 ``[1, 0, …, 0]`` (the operators are linear in V, so this is the denominator), ``dg`` by autodiff
@@ -41,7 +43,8 @@ F32_GPU_MAX_D = 128  # float32 inputs from this (padded) head dim on exceed Trit
 
 class Config(NamedTuple):
     """Static kernel settings: family (kernel module name), chunk, value tiles and warps of
-    forward and backward, interpret mode, platform ("gpu" | "tpu")."""
+    forward and backward, interpret mode, platform ("gpu" | "tpu"), and whether the forward is
+    the ``states`` walk + chunk-parallel ``outputs`` instead of one walk."""
     family: str
     c: int
     bv_fwd: int
@@ -50,31 +53,42 @@ class Config(NamedTuple):
     warps_bwd: int = 8
     interpret: bool = False
     platform: str = "gpu"
+    parallel_forward: bool = False
 
 
 LAYOUTS = {"hla2": (DD, DV), "ahla": (DV, DV), "hla3": (DD, DV, DV)}  # (S, U), (P, E), (S, P, F)
+# families whose state cotangents depend on the states (HLA3: F's update is bilinear in S and P)
+BILINEAR = frozenset({"hla3"})
 
 
 class Kernels(NamedTuple):
     forward: Callable
-    backward: Callable
+    states: Callable
+    outputs: Callable
+    dstates: Callable
+    grads: Callable
 
 
 def kernels(cfg: Config) -> Kernels:
-    """``cfg.family``'s chunk step in the chunk walk of ``cfg.platform`` ("gpu" | "tpu")."""
+    """``cfg.family``'s chunk step in the kernels of ``cfg.platform`` ("gpu" | "tpu")."""
     walk = backend_module(cfg.platform, "walk")
     chunk = importlib.import_module(f"hla_jax.kernels.{cfg.family}_chunk")
     layout = LAYOUTS[cfg.family]
-    return Kernels(functools.partial(walk.forward, chunk.chunk_forward, layout),
-                   functools.partial(walk.backward, chunk.chunk_backward, layout))
+    fwd, bwd = chunk.chunk_forward, chunk.chunk_backward
+    return Kernels(*(functools.partial(f, step, layout) for f, step in (
+        (walk.forward, fwd), (walk.states, fwd), (walk.outputs, fwd), (walk.dstates, bwd),
+        (walk.grads, bwd))))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def chunked_core(q, k, v, b, cfg: Config):
     """Unnormalised operator on padded inputs: ``q, k [B,Tp,H,d]``, ``v [B,Tp,H,dv]``,
     ``b [B,H,Tp]`` -> ``[B,Tp,H,dv]`` float32."""
-    return kernels(cfg).forward(q, k, v, b, c=cfg.c, bv=cfg.bv_fwd, num_warps=cfg.warps_fwd,
-                                interpret=cfg.interpret)
+    mod, kw = kernels(cfg), dict(c=cfg.c, bv=cfg.bv_fwd, num_warps=cfg.warps_fwd,
+                                 interpret=cfg.interpret)
+    if cfg.parallel_forward:
+        return mod.outputs(q, k, v, b, *mod.states(q, k, v, b, **kw), **kw)
+    return mod.forward(q, k, v, b, **kw)
 
 
 def _core_fwd(q, k, v, b, cfg):
@@ -84,10 +98,12 @@ def _core_fwd(q, k, v, b, cfg):
 def _core_bwd(cfg, res, do):
     q, k, v, b = res
     mod = kernels(cfg)
-    _, *states = mod.forward(q, k, v, b, c=cfg.c, bv=cfg.bv_fwd, save_states=True,
-                             num_warps=cfg.warps_fwd, interpret=cfg.interpret)
-    dq, dk, dv, db = mod.backward(q, k, v, b, *states, do.astype(q.dtype), c=cfg.c,
-                                  bv=cfg.bv_bwd, num_warps=cfg.warps_bwd, interpret=cfg.interpret)
+    kw = dict(c=cfg.c, interpret=cfg.interpret)
+    saved = mod.states(q, k, v, b, bv=cfg.bv_fwd, num_warps=cfg.warps_fwd, **kw)
+    do = do.astype(q.dtype)
+    kw.update(bv=cfg.bv_bwd, num_warps=cfg.warps_bwd)
+    dsaved = mod.dstates(q, k, v, b, *(saved if cfg.family in BILINEAR else ()), do, **kw)
+    dq, dk, dv, db = mod.grads(q, k, v, b, *saved, do, *dsaved, **kw)
     return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv.astype(v.dtype),
             db.sum(0))
 
@@ -123,10 +139,13 @@ class Launch(NamedTuple):
     platform: str
 
 
-def launch(name, q, k, v, *, chunk_size, block_v, interpret, platform) -> Launch:
-    """``Launch`` of the operator ``name`` (ValueErrors name ``chunk_size`` / ``block_v``);
-    ``interpret=None`` is interpret mode on CPU only, ``platform=None`` the default backend's."""
-    for arg, x in (("chunk_size", chunk_size), ("block_v", block_v)):
+def launch(name, q, k, v, *, chunk_size, block_v, interpret, platform, block_v_bwd=None) -> Launch:
+    """``Launch`` of the operator ``name`` (ValueErrors name ``chunk_size`` / ``block_v`` /
+    ``block_v_bwd``); ``interpret=None`` is interpret mode on CPU only, ``platform=None`` the
+    default backend's."""
+    for arg, x in (("chunk_size", chunk_size), ("block_v", block_v), ("block_v_bwd", block_v_bwd)):
+        if arg == "block_v_bwd" and x is None:
+            continue
         if not isinstance(x, int) or x < 16 or x & (x - 1):
             raise ValueError(f"{name}: {arg} must be a power of two >= 16, got {x!r}")
     backend = jax.default_backend()
@@ -144,7 +163,7 @@ def backend_module(platform: str, name: str):
 
 def pallas_operator(family: str, q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64,
                     interpret=None, block_v=64, block_v_bwd=None, num_warps=8, num_warps_bwd=None,
-                    platform=None):
+                    platform=None, parallel_forward=False):
     """``family``'s operator via its Pallas kernels, ``[B,T,H,dv]`` float32 (the arguments are
     those of ``hla2_pallas``; inputs other than all-bf16 run in float32)."""
     name = f"{family}_pallas"
@@ -152,16 +171,16 @@ def pallas_operator(family: str, q, k, v, g=None, *, normalize=False, eps=1e-6, 
     g = check_gate(g, B, T, H, name=name)
     c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, chunk_size=chunk_size,
                                                 block_v=block_v, interpret=interpret,
-                                                platform=platform)
+                                                platform=platform, block_v_bwd=block_v_bwd)
     if platform == "gpu" and not interpret and dt == jnp.float32 and dp >= F32_GPU_MAX_D:
         raise ValueError(
             f"{name}: float32 q, k, v with head dim {d} (padded to {dp}) need more GPU shared "
             f"memory than Triton has (hla2 and ahla at d=128 failed to compile on an H200); pass "
             f"bf16 inputs (float32 state either way) or use the operator's impl='chunked'")
-    bv = min(block_v, pow2_at_least(max(dv, 16)))
-    dvp = -(-dv // bv) * bv
-    cfg = Config(family, c, bv, min(block_v_bwd or bv, bv), num_warps, num_warps_bwd or num_warps,
-                 interpret, platform)
+    bv, bvb = (min(x, pow2_at_least(max(dv, 16))) for x in (block_v, block_v_bwd or block_v))
+    dvp = -(-dv // max(bv, bvb)) * max(bv, bvb)
+    cfg = Config(family, c, bv, bvb, num_warps, num_warps_bwd or num_warps, interpret, platform,
+                 parallel_forward)
     qp, kp = (pad(x.astype(dt), Tp, dp) for x in (q, k))
     if g is None:  # a constant, not a cumsum of zeros (XLA's GPU compiler folds those slowly)
         b = jnp.zeros((B, H, Tp), jnp.float32)

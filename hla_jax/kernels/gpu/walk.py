@@ -1,17 +1,27 @@
-"""The HLA chunk walk for NVIDIA GPUs: ``pallas_call`` lowered through Triton (jax 0.11.2).
+"""The HLA chunk walks for NVIDIA GPUs: ``pallas_call`` lowered through Triton (jax 0.11.2).
 
-Layout (a) of DESIGN.md, generic over a family's chunk step (``kernels/<family>_chunk.py``) and
-its state ``layout``: a tuple of ``DD`` (a ``d×d`` state, shared by every value tile) and ``DV``
-(a ``d×bv`` state of one value tile).  One program per (batch, head, value tile) walks the
-chunks in order with the float32 states in registers (``lax.fori_loop`` carry); inputs stay in
-the caller's ``[B,Tp,H,·]`` layout (strided tile loads, no transposes).
+Generic over a family's chunk step (``kernels/<family>_chunk.py``) and its state ``layout``: a
+tuple of ``DD`` (a ``d×d`` state, shared by every value tile) and ``DV`` (a ``d×bv`` state of
+one value tile).  Inputs stay in the caller's ``[B,Tp,H,·]`` layout (strided tile loads).
 
-- ``forward``: outputs ``O`` and, when ``save_states``, the incoming states of every chunk
-  (``DD: [B,H,N,d,d]`` written by value tile 0, ``DV: [B,H,N,d,dv]``, in the input dtype: the
-  backward's matmuls read them in that dtype anyway).
-- ``backward``: walks the chunks in reverse with the cotangent states and the saved incoming
-  states; value tile ``j`` yields its own share of ``dQ, dK, db`` (summed by the caller) and its
-  slice of ``dV``.
+Two kinds of kernel.  The *walks* (layout (a) of DESIGN.md) run one program per (batch, head,
+value tile) over the chunks in order, float32 states in registers (``lax.fori_loop`` carry):
+
+- ``forward``: the outputs ``O``;
+- ``states``: every chunk's incoming states (``DD: [B,H,N,d,d]``, written by value tile 0,
+  ``DV: [B,H,N,d,dv]``), in the input dtype, without ``O``;
+- ``dstates``: in reverse, the cotangent of every chunk's outgoing states (``DD``: one share per
+  value tile, ``[nv,B,H,N,d,d]``; ``DV: [B,H,N,d,dv]``): the chunk backward, of which only the
+  state cotangents are kept (the rest is dead code, removed by the compiler).  HLA2 and AHLA are
+  linear in their states, so their state cotangents do not depend on the states (zeros stand
+  in); HLA3's ``F`` update is bilinear in ``S`` and ``P``, so its walk reads the saved states.
+
+The *chunk-parallel* kernels (layout (b)) run one program per (batch, head, chunk, value tile)
+from the saved states, with no carry:
+
+- ``outputs``: ``O`` from the incoming states;
+- ``grads``: ``(dq, dk) [nv,B,Tp,H,d]`` (one share per value tile), ``dv [B,Tp,H,dv]``,
+  ``db [nv,B,H,Tp]``, float32, from the incoming states, ``do`` and the outgoing cotangents.
 
 Triton needs power-of-two tiles and every matmul dimension >= 16: ``c``, ``d`` and ``bv`` are
 powers of two >= 16 (the caller pads).  Runs in interpret mode on CPU (the tests).
@@ -29,96 +39,179 @@ from jax.experimental.pallas import triton as plgpu
 from hla_jax.kernels.hla2_chunk import F32
 
 DD, DV = "dd", "dv"
+STATIC = ("c", "bv", "num_warps", "interpret")
 
 
 def compiler_params(num_warps, interpret):
     return None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
-def _zeros(layout, d, bv):
-    return tuple(jnp.zeros((d, d if kind == DD else bv), F32) for kind in layout)
+def _zeros(layout, d, bv, dtype=F32):
+    return tuple(jnp.zeros((d, d if kind == DD else bv), dtype) for kind in layout)
 
 
-def _saved_shapes(layout, B, H, N, d, dv, dtype):
-    return [jax.ShapeDtypeStruct((B, H, N, d, d if kind == DD else dv), dtype) for kind in layout]
+def _state_shapes(layout, B, H, N, d, dv, dtype, nv=None):
+    """Saved per-chunk states; a ``DD`` state gets a leading value-tile axis when ``nv``."""
+    return [jax.ShapeDtypeStruct(((nv,) if nv and kind == DD else ()) + (B, H, N, d, d if kind == DD
+                                                                            else dv), dtype)
+            for kind in layout]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1),
-                   static_argnames=("c", "bv", "save_states", "num_warps", "interpret"))
-def forward(chunk_forward, layout, q, k, v, b, *, c, bv, save_states=False, num_warps=8,
-            interpret=False):
+def _read(layout, refs, i, h, n, vs, j=None):
+    """Chunk ``n``'s saved states for value tile ``vs`` (``j``: the per-tile share of ``DD``)."""
+    return [(ref[i, h, n] if j is None else ref[j, i, h, n]) if kind == DD else ref[i, h, n, :, vs]
+            for kind, ref in zip(layout, refs)]
+
+
+def _write(layout, refs, xs, i, h, n, vs, j, shared):
+    """Store chunk ``n``'s states; a ``DD`` state is written once (tile 0) when ``shared``, else
+    as tile ``j``'s share."""
+    for kind, ref, x in zip(layout, refs, xs):
+        if kind == DV:
+            ref[i, h, n, :, vs] = x.astype(ref.dtype)
+        elif not shared:
+            ref[j, i, h, n] = x.astype(ref.dtype)
+        else:
+            @pl.when(j == 0)
+            def _(ref=ref, x=x):
+                ref[i, h, n] = x.astype(ref.dtype)
+
+
+def _walk_call(kernel, out_shape, B, H, nv, num_warps, interpret, *args):
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, nv),
+                          compiler_params=compiler_params(num_warps, interpret),
+                          interpret=interpret)(*args)
+
+
+def _chunk_call(kernel, out_shape, B, H, N, nv, num_warps, interpret, *args):
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, N, nv),
+                          compiler_params=compiler_params(num_warps, interpret),
+                          interpret=interpret)(*args)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
+def forward(chunk_forward, layout, q, k, v, b, *, c, bv, num_warps=8, interpret=False):
     """``q, k: [B,Tp,H,d]``, ``v: [B,Tp,H,dv]``, ``b: [B,H,Tp]`` (local log cumulative decay per
-    chunk) -> ``O [B,Tp,H,dv]`` float32 (plus every chunk's incoming states when ``save_states``).
-    ``chunk_forward(Q, K, V, bb, *states) -> (O, *states)``."""
+    chunk) -> ``O [B,Tp,H,dv]`` float32.  ``chunk_forward(Q, K, V, bb, *states) -> (O, *states)``."""
     B, Tp, H, d = q.shape
     dv = v.shape[-1]
-    N = Tp // c
 
-    def kernel(q_ref, k_ref, v_ref, b_ref, o_ref, *state_refs):
+    def kernel(q_ref, k_ref, v_ref, b_ref, o_ref):
         i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
 
         def body(n, carry):
             ts = pl.ds(pl.multiple_of(n * c, c), c)
-            for kind, ref, x in zip(layout if save_states else (), state_refs, carry):
-                if kind == DV:
-                    ref[i, h, n, :, vs] = x.astype(ref.dtype)
-                    continue
-
-                @pl.when(j == 0)  # a d×d state is the same in every value tile: write it once
-                def _(ref=ref, x=x):
-                    ref[i, h, n] = x.astype(ref.dtype)
-            O, *carry = chunk_forward(q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs],
-                                      b_ref[i, h, ts], *carry)
-            o_ref[i, ts, h, vs] = O
+            o_ref[i, ts, h, vs], *carry = chunk_forward(
+                q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs], b_ref[i, h, ts], *carry)
             return tuple(carry)
 
-        jax.lax.fori_loop(0, N, body, _zeros(layout, d, bv))
+        jax.lax.fori_loop(0, Tp // c, body, _zeros(layout, d, bv))
 
-    out_shape = [jax.ShapeDtypeStruct((B, Tp, H, dv), F32)]
-    if save_states:
-        out_shape += _saved_shapes(layout, B, H, N, d, dv, q.dtype)
-    out = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, dv // bv),
-                         compiler_params=compiler_params(num_warps, interpret),
-                         interpret=interpret)(q, k, v, b)
-    return tuple(out) if save_states else out[0]
+    return _walk_call(kernel, jax.ShapeDtypeStruct((B, Tp, H, dv), F32), B, H, dv // bv,
+                      num_warps, interpret, q, k, v, b)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("c", "bv", "num_warps", "interpret"))
-def backward(chunk_backward, layout, q, k, v, b, *states_do, c, bv, num_warps=8, interpret=False):
-    """Cotangents of ``forward`` from its saved states and ``do`` (the last positional argument):
-    ``(dq, dk) [nv,B,Tp,H,d]`` (one share per value tile), ``dv [B,Tp,H,dv]``, ``db [nv,B,H,Tp]``,
-    all float32.  ``chunk_backward(Q, K, V, bb, *states, dO, *dstates) -> (dQ, dK, dV, db,
-    *dstates)``."""
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
+def states(chunk_forward, layout, q, k, v, b, *, c, bv, num_warps=8, interpret=False):
+    """Every chunk's incoming states (``DD [B,H,N,d,d]``, ``DV [B,H,N,d,dv]``, input dtype)."""
     B, Tp, H, d = q.shape
     dv = v.shape[-1]
-    N, nv = Tp // c, dv // bv
+
+    def kernel(q_ref, k_ref, v_ref, b_ref, *state_refs):
+        i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
+
+        def body(n, carry):
+            ts = pl.ds(pl.multiple_of(n * c, c), c)
+            _write(layout, state_refs, carry, i, h, n, vs, j, shared=True)
+            _, *carry = chunk_forward(q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs],
+                                      b_ref[i, h, ts], *carry)
+            return tuple(carry)
+
+        jax.lax.fori_loop(0, Tp // c, body, _zeros(layout, d, bv))
+
+    return tuple(_walk_call(kernel, _state_shapes(layout, B, H, Tp // c, d, dv, q.dtype), B, H,
+                            dv // bv, num_warps, interpret, q, k, v, b))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
+def dstates(chunk_backward, layout, q, k, v, b, *saved_do, c, bv, num_warps=8, interpret=False):
+    """Cotangents of every chunk's outgoing states given ``do [B,Tp,H,dv]`` (the last positional
+    argument) and, before it, every chunk's incoming states (``states``) when the family's state
+    cotangents depend on them (hla3's; hla2's and ahla's do not: pass none, zeros stand in).
+    Returns ``DD``: one share per value tile ``[nv,B,H,N,d,d]``; ``DV [B,H,N,d,dv]``; input
+    dtype.  ``chunk_backward(Q, K, V, bb, *states, dO, *dstates) -> (dQ, dK, dV, db, *dstates)``."""
+    B, Tp, H, d = q.shape
+    dv = v.shape[-1]
+    N, nv, L = Tp // c, dv // bv, len(saved_do) - 1
 
     def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        state_refs, (do_ref, dq_ref, dk_ref, dv_ref, db_ref) = refs[:len(layout)], refs[len(layout):]
+        state_refs, do_ref, dstate_refs = refs[:L], refs[L], refs[L + 1:]
         i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
 
         def body(m, carry):
             n = N - 1 - m
             ts = pl.ds(pl.multiple_of(n * c, c), c)
-            saved = [ref[i, h, n] if kind == DD else ref[i, h, n, :, vs]  # in the input dtype
-                     for kind, ref in zip(layout, state_refs)]
-            dQ, dK, dV, db, *carry = chunk_backward(
-                q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs], b_ref[i, h, ts],
-                *saved, do_ref[i, ts, h, vs], *carry)
-            dq_ref[j, i, ts, h, :] = dQ
-            dk_ref[j, i, ts, h, :] = dK
-            dv_ref[i, ts, h, vs] = dV
-            db_ref[j, i, h, ts] = db
-            return tuple(carry)
+            _write(layout, dstate_refs, carry, i, h, n, vs, j, shared=False)
+            saved = _read(layout, state_refs, i, h, n, vs) if L else _zeros(layout, d, bv, q.dtype)
+            out = chunk_backward(q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs],
+                                 b_ref[i, h, ts], *saved, do_ref[i, ts, h, vs], *carry)
+            return tuple(out[4:])
 
         jax.lax.fori_loop(0, N, body, _zeros(layout, d, bv))
+
+    return tuple(_walk_call(kernel, _state_shapes(layout, B, H, N, d, dv, q.dtype, nv), B, H, nv,
+                            num_warps, interpret, q, k, v, b, *saved_do))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
+def outputs(chunk_forward, layout, q, k, v, b, *saved, c, bv, num_warps=8, interpret=False):
+    """``O [B,Tp,H,dv]`` float32, every chunk at once from its incoming states (``states``)."""
+    B, Tp, H, d = q.shape
+    dv = v.shape[-1]
+
+    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
+        state_refs, o_ref = refs[:-1], refs[-1]
+        i, h, n, j = (pl.program_id(a) for a in range(4))
+        vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
+        ts = pl.ds(pl.multiple_of(n * c, c), c)
+        o_ref[i, ts, h, vs], *_ = chunk_forward(
+            q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs], b_ref[i, h, ts],
+            *_read(layout, state_refs, i, h, n, vs))
+
+    return _chunk_call(kernel, jax.ShapeDtypeStruct((B, Tp, H, dv), F32), B, H, Tp // c, dv // bv,
+                       num_warps, interpret, q, k, v, b, *saved)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
+def grads(chunk_backward, layout, q, k, v, b, *saved_do_dsaved, c, bv, num_warps=8, interpret=False):
+    """Cotangents of the inputs, every chunk at once, from ``*states`` (``states``), ``do`` and
+    ``*dstates`` (``dstates``, same ``bv``): ``(dq, dk) [nv,B,Tp,H,d]`` (one share per value
+    tile), ``dv [B,Tp,H,dv]``, ``db [nv,B,H,Tp]``, all float32."""
+    B, Tp, H, d = q.shape
+    dv = v.shape[-1]
+    nv, L = dv // bv, len(layout)
+
+    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
+        state_refs, do_ref, dstate_refs = refs[:L], refs[L], refs[L + 1:2 * L + 1]
+        dq_ref, dk_ref, dv_ref, db_ref = refs[2 * L + 1:]
+        i, h, n, j = (pl.program_id(a) for a in range(4))
+        vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
+        ts = pl.ds(pl.multiple_of(n * c, c), c)
+        dQ, dK, dV, db, *_ = chunk_backward(
+            q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs], b_ref[i, h, ts],
+            *_read(layout, state_refs, i, h, n, vs), do_ref[i, ts, h, vs],
+            *(x.astype(F32) for x in _read(layout, dstate_refs, i, h, n, vs, j)))
+        dq_ref[j, i, ts, h, :] = dQ
+        dk_ref[j, i, ts, h, :] = dK
+        dv_ref[i, ts, h, vs] = dV
+        db_ref[j, i, h, ts] = db
 
     out_shape = [jax.ShapeDtypeStruct((nv, B, Tp, H, d), F32),
                  jax.ShapeDtypeStruct((nv, B, Tp, H, d), F32),
                  jax.ShapeDtypeStruct((B, Tp, H, dv), F32),
                  jax.ShapeDtypeStruct((nv, B, H, Tp), F32)]
-    return tuple(pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, nv),
-                                compiler_params=compiler_params(num_warps, interpret),
-                                interpret=interpret)(q, k, v, b, *states_do))
+    return tuple(_chunk_call(kernel, out_shape, B, H, Tp // c, nv, num_warps, interpret,
+                             q, k, v, b, *saved_do_dsaved))

@@ -1,14 +1,13 @@
-"""The HLA chunk walk for TPU (Mosaic).  UNTESTED ON TPU HARDWARE: no TPU was available; the
-tests run it in interpret mode on CPU and check that it lowers through Mosaic.
+"""The HLA chunk walks for TPU (Mosaic).  UNTESTED ON TPU HARDWARE: no TPU was available; the
+tests run them in interpret mode on CPU and check that they lower through Mosaic.
 
-The TPU way of layout (a), generic over a family's chunk step and state ``layout`` (``DD``:
-``d×d``, ``DV``: ``d×dv``; see ``kernels/gpu/walk.py``): grid ``(B, H, N)`` with the chunk axis
-last and sequential ("arbitrary"); each step's ``[c, d]`` tiles arrive by the pipeline's DMA,
-and the float32 states persist across the chunk axis in VMEM scratch (``pltpu.VMEM``), reset at
-the first chunk.  No value tiling (Mosaic tiles want the last dim a multiple of 128 or the full
-extent, so ``dv`` is one tile).  Inputs are moved to ``[B,H,Tp,·]`` so every block's last two
-dims are ``(c, d)`` with ``c >= 8``; the gate comes as ``[B,H,N,1,c]``.  Same interface as
-``kernels.gpu.walk`` (``bv``/``num_warps`` are ignored; the backward has ``nv = 1``).
+The TPU way of ``kernels/gpu/walk.py`` (same five kernels, same interface; ``bv``/``num_warps``
+are ignored and there is one value tile, ``nv = 1``): grid ``(B, H, N)``, each step's ``[c, d]``
+tiles arriving by the pipeline's DMA.  In the walks (``forward``, ``states``, ``dstates``) the
+chunk axis is last and sequential ("arbitrary") and the float32 states persist across it in VMEM
+scratch (``pltpu.VMEM``), reset at the first chunk; in ``outputs`` and ``grads`` every axis is
+parallel.  Inputs are moved to ``[B,H,Tp,·]`` so every block's last two dims are ``(c, d)`` with
+``c >= 8``; the gate comes as ``[B,H,N,1,c]``.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from hla_jax.kernels.gpu.walk import DD
+from hla_jax.kernels.gpu.walk import DD, STATIC
 from hla_jax.kernels.hla2_chunk import F32
 
 
@@ -37,13 +36,30 @@ def specs(c, d, dv, rev, N):
     return tile, gate, state
 
 
-def compiler_params(interpret):
+def compiler_params(interpret, sequential=True):
     return None if interpret else pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "arbitrary"))
+        dimension_semantics=("parallel", "parallel", "arbitrary" if sequential else "parallel"))
 
 
 def _widths(layout, d, dv):
     return [d if kind == DD else dv for kind in layout]
+
+
+def _state_io(layout, B, H, N, d, dv, dtype, rev, share=False):
+    """Shapes and blocks of per-chunk states; ``share``: ``DD`` with a leading value-tile axis
+    of 1 (the layout of ``dstates``)."""
+    _, _, state = specs(None, d, dv, rev, N)
+    n_of = (lambda n: N - 1 - n) if rev else (lambda n: n)
+    shapes, blocks = [], []
+    for kind, w in zip(layout, _widths(layout, d, dv)):
+        if share and kind == DD:
+            shapes.append(jax.ShapeDtypeStruct((1, B, H, N, d, w), dtype))
+            blocks.append(pl.BlockSpec((None, None, None, None, d, w),
+                                       lambda i, h, n: (0, i, h, n_of(n), 0, 0)))
+        else:
+            shapes.append(jax.ShapeDtypeStruct((B, H, N, d, w), dtype))
+            blocks.append(state(w))
+    return shapes, blocks
 
 
 def _reset_at_first_chunk(scratch):
@@ -62,70 +78,128 @@ def _advance(scratch, outputs):
     return outputs[:k]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1),
-                   static_argnames=("c", "bv", "save_states", "num_warps", "interpret"))
-def forward(chunk_forward, layout, q, k, v, b, *, c, bv=None, save_states=False, num_warps=None,
-            interpret=False):
-    """As ``kernels.gpu.walk.forward``: ``O [B,Tp,H,dv]`` float32 (plus per-chunk states)."""
-    B, Tp, H, d = q.shape
-    dv = v.shape[-1]
-    N = Tp // c
-    tile, gate, state = specs(c, d, dv, False, N)
-    widths = _widths(layout, d, dv)
+def _call(kernel, out_shape, in_specs, out_specs, grid, scratch, sequential, interpret, q, k, v, b,
+          *rest):
+    B, Tp, H, _ = q.shape
+    c = Tp // grid[2]
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=scratch, compiler_params=compiler_params(interpret, sequential),
+        interpret=interpret,
+    )(heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, grid[2], 1, c), *rest)
 
-    def kernel(q_ref, k_ref, v_ref, b_ref, o_ref, *rest):
-        saved, scratch = rest[:-len(layout)], rest[-len(layout):]
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
+def forward(chunk_forward, layout, q, k, v, b, *, c, bv=None, num_warps=None, interpret=False):
+    """As ``kernels.gpu.walk.forward``: ``O [B,Tp,H,dv]`` float32."""
+    B, Tp, H, d = q.shape
+    dv, N = v.shape[-1], Tp // c
+    tile, gate, _ = specs(c, d, dv, False, N)
+
+    def kernel(q_ref, k_ref, v_ref, b_ref, o_ref, *scratch):
         _reset_at_first_chunk(scratch)
-        states = [x[...] for x in scratch]
-        for ref, x in zip(saved, states):
-            ref[...] = x.astype(ref.dtype)
         o_ref[...], = _advance(scratch, chunk_forward(q_ref[...], k_ref[...], v_ref[...], b_ref[0],
-                                                      *states))
+                                                      *(s[...] for s in scratch)))
 
-    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, dv), F32)]
-    out_specs = [tile(dv)]
-    if save_states:
-        out_shape += [jax.ShapeDtypeStruct((B, H, N, d, w), q.dtype) for w in widths]
-        out_specs += [state(w) for w in widths]
-    out = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(B, H, N),
-        in_specs=[tile(d), tile(d), tile(dv), gate], out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((d, w), F32) for w in widths],
-        compiler_params=compiler_params(interpret), interpret=interpret,
-    )(heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, N, 1, c))
-    O = heads_first(out[0])
-    return (O, *out[1:]) if save_states else O
+    O = _call(kernel, jax.ShapeDtypeStruct((B, H, Tp, dv), F32), [tile(d), tile(d), tile(dv), gate],
+              tile(dv), (B, H, N), [pltpu.VMEM((d, w), F32) for w in _widths(layout, d, dv)],
+              True, interpret, q, k, v, b)
+    return heads_first(O)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("c", "bv", "num_warps", "interpret"))
-def backward(chunk_backward, layout, q, k, v, b, *states_do, c, bv=None, num_warps=None,
-             interpret=False):
-    """As ``kernels.gpu.walk.backward`` with one value tile (``nv = 1``)."""
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
+def states(chunk_forward, layout, q, k, v, b, *, c, bv=None, num_warps=None, interpret=False):
+    """As ``kernels.gpu.walk.states``: every chunk's incoming states, input dtype."""
     B, Tp, H, d = q.shape
-    dv = v.shape[-1]
-    N = Tp // c
-    tile, gate, state = specs(c, d, dv, True, N)
-    widths = _widths(layout, d, dv)
-    n = len(layout)
+    dv, N = v.shape[-1], Tp // c
+    tile, gate, _ = specs(c, d, dv, False, N)
+    shapes, blocks = _state_io(layout, B, H, N, d, dv, q.dtype, False)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        saved, (do_ref, dq_ref, dk_ref, dv_ref, db_ref), scratch = refs[:n], refs[n:n + 5], refs[n + 5:]
+        saved, scratch = refs[:len(layout)], refs[len(layout):]
         _reset_at_first_chunk(scratch)
-        dq_ref[...], dk_ref[...], dv_ref[...], db = _advance(scratch, chunk_backward(
-            q_ref[...], k_ref[...], v_ref[...], b_ref[0], *(ref[...] for ref in saved),
-            do_ref[...], *(x[...] for x in scratch)))
+        xs = [s[...] for s in scratch]
+        for ref, x in zip(saved, xs):
+            ref[...] = x.astype(ref.dtype)
+        _advance(scratch, chunk_forward(q_ref[...], k_ref[...], v_ref[...], b_ref[0], *xs))
+
+    return tuple(_call(kernel, shapes, [tile(d), tile(d), tile(dv), gate], blocks, (B, H, N),
+                       [pltpu.VMEM((d, w), F32) for w in _widths(layout, d, dv)], True, interpret,
+                       q, k, v, b))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
+def dstates(chunk_backward, layout, q, k, v, b, *saved_do, c, bv=None, num_warps=None,
+            interpret=False):
+    """As ``kernels.gpu.walk.dstates`` with one value tile (``DD``: ``[1,B,H,N,d,d]``)."""
+    B, Tp, H, d = q.shape
+    dv, N, L = v.shape[-1], Tp // c, len(saved_do) - 1
+    tile, gate, _ = specs(c, d, dv, True, N)
+    shapes, blocks = _state_io(layout, B, H, N, d, dv, q.dtype, True, share=True)
+    _, state_blocks = _state_io(layout, B, H, N, d, dv, q.dtype, True)
+    widths = _widths(layout, d, dv)
+
+    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
+        state_refs, do_ref = refs[:L], refs[L]
+        dsaved, scratch = refs[L + 1:L + 1 + len(layout)], refs[L + 1 + len(layout):]
+        _reset_at_first_chunk(scratch)
+        xs = [s[...] for s in scratch]
+        for ref, x in zip(dsaved, xs):
+            ref[...] = x.astype(ref.dtype)
+        saved = [ref[...] for ref in state_refs] if L else [jnp.zeros((d, w), q.dtype) for w in widths]
+        out = chunk_backward(q_ref[...], k_ref[...], v_ref[...], b_ref[0], *saved, do_ref[...], *xs)
+        _advance(scratch, out[4:])
+
+    *saved, do = saved_do
+    return tuple(_call(kernel, shapes, [tile(d), tile(d), tile(dv), gate, *state_blocks[:L], tile(dv)],
+                       blocks, (B, H, N), [pltpu.VMEM((d, w), F32) for w in widths], True, interpret,
+                       q, k, v, b, *saved, heads_first(do)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
+def outputs(chunk_forward, layout, q, k, v, b, *saved, c, bv=None, num_warps=None, interpret=False):
+    """As ``kernels.gpu.walk.outputs``: every chunk at once, grid ``(B, H, N)`` all parallel."""
+    B, Tp, H, d = q.shape
+    dv, N = v.shape[-1], Tp // c
+    tile, gate, _ = specs(c, d, dv, False, N)
+    _, blocks = _state_io(layout, B, H, N, d, dv, q.dtype, False)
+
+    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
+        state_refs, o_ref = refs[:-1], refs[-1]
+        o_ref[...], *_ = chunk_forward(q_ref[...], k_ref[...], v_ref[...], b_ref[0],
+                                       *(ref[...] for ref in state_refs))
+
+    O = _call(kernel, jax.ShapeDtypeStruct((B, H, Tp, dv), F32),
+              [tile(d), tile(d), tile(dv), gate, *blocks], tile(dv), (B, H, N), [], False,
+              interpret, q, k, v, b, *saved)
+    return heads_first(O)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
+def grads(chunk_backward, layout, q, k, v, b, *saved_do_dsaved, c, bv=None, num_warps=None,
+          interpret=False):
+    """As ``kernels.gpu.walk.grads`` with one value tile: every chunk at once, grid ``(B, H, N)``
+    all parallel."""
+    B, Tp, H, d = q.shape
+    dv, N, L = v.shape[-1], Tp // c, len(layout)
+    tile, gate, _ = specs(c, d, dv, False, N)
+    _, state_blocks = _state_io(layout, B, H, N, d, dv, q.dtype, False)
+    _, dstate_blocks = _state_io(layout, B, H, N, d, dv, q.dtype, False, share=True)
+    saved, do, dsaved = saved_do_dsaved[:L], saved_do_dsaved[L], saved_do_dsaved[L + 1:]
+
+    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
+        state_refs, do_ref, dstate_refs = refs[:L], refs[L], refs[L + 1:2 * L + 1]
+        dq_ref, dk_ref, dv_ref, db_ref = refs[2 * L + 1:]
+        dq_ref[...], dk_ref[...], dv_ref[...], db, *_ = chunk_backward(
+            q_ref[...], k_ref[...], v_ref[...], b_ref[0], *(ref[...] for ref in state_refs),
+            do_ref[...], *(ref[...].astype(F32) for ref in dstate_refs))
         db_ref[...] = db[None, :]
 
     out_shape = [jax.ShapeDtypeStruct((B, H, Tp, d), F32), jax.ShapeDtypeStruct((B, H, Tp, d), F32),
                  jax.ShapeDtypeStruct((B, H, Tp, dv), F32), jax.ShapeDtypeStruct((B, H, N, 1, c), F32)]
-    *states, do = states_do
-    dq, dk, dvv, db = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(B, H, N),
-        in_specs=[tile(d), tile(d), tile(dv), gate, *(state(w) for w in widths), tile(dv)],
-        out_specs=[tile(d), tile(d), tile(dv), gate],
-        scratch_shapes=[pltpu.VMEM((d, w), F32) for w in widths],
-        compiler_params=compiler_params(interpret), interpret=interpret,
-    )(heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, N, 1, c), *states,
-      heads_first(do))
+    dq, dk, dvv, db = _call(
+        kernel, out_shape, [tile(d), tile(d), tile(dv), gate, *state_blocks, tile(dv), *dstate_blocks],
+        [tile(d), tile(d), tile(dv), gate], (B, H, N), [], False, interpret, q, k, v, b, *saved,
+        heads_first(do), *dsaved)
     return (heads_first(dq)[None], heads_first(dk)[None], heads_first(dvv),
             db.reshape(1, B, H, Tp))
