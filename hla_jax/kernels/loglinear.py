@@ -13,11 +13,13 @@ lazy: a slot keeps its block state as written and is read through a scalar decay
 so a chunk touches only its live slots (bit ``j`` of the chunk index set; dead ones skip their
 matmuls) and writes one.  Cost O(T·c·d + T·d·dv·log(T/c)).
 
-``jax.custom_vjp``: the forward keeps only its inputs; the backward re-runs the forward to
+``jax.custom_vjp``: the forward keeps only its inputs; the backward re-runs the forward walk to
 checkpoint, per chunk, the one block state it wrote (``W: [B,H,N,d,dv]``, transient: chunk ``n``'s
-slot ``j`` is ``W[block_end(n, j)]``), then a reverse kernel walks the chunks with the slots'
-cotangents and, per slot, the accumulated cotangent of its decay (which flows into ``db`` of
-every chunk it crossed).  ``dg`` by autodiff of the chunk cumulative log-decay
+slot ``j`` is ``W[block_end(n, j)]``), then a reverse walk carries the slots' cotangents and,
+per slot, the accumulated cotangent of its decay (which flows into ``db`` of every chunk it
+crossed), writing per chunk the cotangent of its merged state; last, a chunk-parallel kernel
+computes every chunk's ``dq, dk, dv, db, dλ`` at once, with its own value tile
+(``block_v_bwd``).  ``dg`` by autodiff of the chunk cumulative log-decay
 (``wrap.chunk_log_decay``, floored at ``LOG_DECAY_FLOOR`` so a reset ``g = -inf`` stays finite).
 
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
@@ -48,9 +50,11 @@ STACK_BYTES = 64 * 1024   # registers the level stack of one Triton program may 
 
 
 class Config(NamedTuple):
-    """Static kernel settings: chunk, value tile, warps, interpret mode, platform."""
+    """Static kernel settings: chunk, value tile of the walks and of the chunk-parallel
+    gradients, warps, interpret mode, platform."""
     c: int
     bv: int
+    bv_bwd: int
     num_warps: int = 8
     interpret: bool = False
     platform: str = "gpu"
@@ -112,10 +116,12 @@ def _core_bwd(cfg, res, do):
     mod = _kernels(cfg.platform)
     kw = dict(c=cfg.c, bv=cfg.bv, num_warps=cfg.num_warps, interpret=cfg.interpret)
     s = _scales(b, lam, cfg.c)
-    _, W = mod.forward(q, k, v, b, lam, s, save_states=True, **kw)
-    dq, dk, dv, db, dlam = mod.backward(q, k, v, b, lam, s, W, do.astype(q.dtype), **kw)
+    do = do.astype(q.dtype)
+    W = mod.states(q, k, v, b, lam, s, **kw)
+    dM, carried = mod.dstates(q, k, v, b, lam, s, W, do, **kw)
+    dq, dk, dv, db, dlam = mod.grads(q, k, v, b, lam, s, W, do, dM, **(kw | dict(bv=cfg.bv_bwd)))
     return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv.astype(v.dtype),
-            db.sum(0), dlam.sum(0))
+            db.sum(0) + carried.sum(0), dlam.sum(0))
 
 
 loglinear_core.defvjp(_core_fwd, _core_bwd)
@@ -130,11 +136,12 @@ def levels_first(lam, Tp: int, Ln: int):
 
 
 def loglinear_mamba2_pallas(q, k, v, g, lam, *, chunk_size=64, interpret=None, block_v=64,
-                            num_warps=8, platform=None):
+                            block_v_bwd=64, num_warps=8, platform=None):
     """Log-linear Mamba-2 via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
 
-    ``block_v`` (the largest value tile, a power of two >= 16; shrunk so the level stack fits
-    ``STACK_BYTES``), ``num_warps`` (Triton) and ``platform`` ("gpu" | "tpu"; default from
+    ``block_v`` (the largest value tile of the walks, a power of two >= 16; shrunk so the level
+    stack fits ``STACK_BYTES``), ``block_v_bwd`` (the value tile of the chunk-parallel
+    gradients), ``num_warps`` (Triton) and ``platform`` ("gpu" | "tpu"; default from
     ``jax.default_backend()``) tune the kernels.
     """
     name = "loglinear_mamba2_pallas"
@@ -143,11 +150,12 @@ def loglinear_mamba2_pallas(q, k, v, g, lam, *, chunk_size=64, interpret=None, b
     lam = check_lam(lam, B, T, H, name=name)
     c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, chunk_size=chunk_size,
                                                 block_v=block_v, interpret=interpret,
-                                                platform=platform)
+                                                platform=platform, block_v_bwd=block_v_bwd)
     P = chunk_levels(T, c)
     bv = value_tile(block_v, dp, dv, P)
-    dvp = -(-dv // bv) * bv
-    cfg = Config(c, bv, num_warps, interpret, platform)
+    bvb = min(block_v_bwd, pow2_at_least(max(dv, 16)))
+    dvp = -(-dv // max(bv, bvb)) * max(bv, bvb)
+    cfg = Config(c, bv, bvb, num_warps, interpret, platform)
     qp, kp = (pad(x.astype(dt), Tp, dp) for x in (q, k))
     gp = jnp.pad(g.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0)))
     lamp = levels_first(lam, Tp, c.bit_length() + P)

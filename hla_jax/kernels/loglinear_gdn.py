@@ -105,7 +105,7 @@ def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, int
     bv = value_tile(block_v, dp, dv, S)
     dvp = -(-dv // bv) * bv
     per_token = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0)))
-    cfg = Config(c, bv, num_warps, interpret, platform)
+    cfg = Config(c, bv, bv, num_warps, interpret, platform)
     o = loglinear_gdn_core(pad(q.astype(dt), Tp, dp), pad(k.astype(dt), Tp, dp),
                            pad(v.astype(dt), Tp, dvp), chunk_log_decay(per_token(g), c),
                            jnp.swapaxes(per_token(beta), 1, 2),
