@@ -2,8 +2,11 @@
 
 Each source's ``example(rng)`` returns ``(inputs, targets, mask)``, each ``[T]``: ``mask`` (bool)
 marks the targets that count in the loss (the answers), so batches carry a loss mask.
+``MQAR.batch(key, size)`` draws a whole batch with ``jax.random`` instead (on device, jittable).
 """
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hla_jax.data.tokenizer import ByteTokenizer
@@ -44,6 +47,32 @@ class MQAR:
         mask = np.zeros(self.seq_len, bool)
         mask[2 * n + gaps] = True
         return inputs, targets, mask
+
+    def batch(self, key, size: int) -> dict:
+        """``size`` examples from ``jax.random`` key ``key``, distributed as ``example``'s: dict
+        ``inputs, targets`` int32 and ``mask`` float32, each ``[size, T]`` (jittable).
+
+        ``choice(range(m), n, replace=False)`` is a uniformly random ordered n-subset: the top n
+        of m iid 32-bit scores (keys, values). With ``p`` it draws in turn, each next gap ∝ p
+        among the unused ones: the top n of ``log p + Gumbel`` in decreasing order (Gumbel-top-k).
+        Both exact up to ties of the float32/uint32 scores (probability < 1e-3 per example).
+        """
+        n, half, T = self.num_kv_pairs, self.vocab_size // 2, self.seq_len
+        k_keys, k_values, k_gaps = jax.random.split(key, 3)
+
+        def ordered_subset(k, m):  # [size, n] distinct draws from range(m), uniform order
+            return jax.lax.top_k(jax.random.bits(k, (size, m), jnp.uint32), n)[1]
+
+        keys = 1 + ordered_subset(k_keys, half - 1)
+        values = half + ordered_subset(k_values, self.vocab_size - half)
+        log_p = jnp.asarray(np.log(self.gap_p), jnp.float32)
+        gaps = 2 * jax.lax.top_k(log_p + jax.random.gumbel(k_gaps, (size, log_p.size)), n)[1]
+        rows, kv, queries = jnp.arange(size)[:, None], 2 * jnp.arange(n), 2 * n + gaps
+        zeros = jnp.zeros((size, T), jnp.int32)
+        inputs = zeros.at[rows, kv].set(keys).at[rows, kv + 1].set(values)
+        return {"inputs": inputs.at[rows, queries].set(keys),
+                "targets": zeros.at[rows, queries].set(values),
+                "mask": jnp.zeros((size, T), jnp.float32).at[rows, queries].set(1.0)}
 
 
 FILLER = (

@@ -6,6 +6,7 @@ is the masked mean next-token cross-entropy in float32 whatever the compute dtyp
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -27,16 +28,20 @@ def loss_fn(params, graphdef, rest, batch):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation):
-    """``(params, opt_state, rest, batch) -> (params, opt_state, metrics)``.
+    """``(params, opt_state, rest, batch, update_scale=None) -> (params, opt_state, metrics)``.
 
     Scans over the ``accum`` micro-batches; with ``optax.MultiSteps`` the parameters change only
     after the last one (mean gradient). ``metrics``: mean loss and mean micro-batch grad norm.
+    ``update_scale`` (a scalar, may be traced) multiplies ``tx``'s updates: a per-model peak
+    learning rate when ``tx`` is built with peak 1 (``hla_jax.train.stacked``).
     """
-    def train_step(params, opt_state, rest, batch):
+    def train_step(params, opt_state, rest, batch, update_scale=None):
         def micro(carry, mb):
             params, opt_state = carry
             loss, grads = jax.value_and_grad(loss_fn)(params, graphdef, rest, mb)
             updates, opt_state = tx.update(grads, opt_state, params)
+            if update_scale is not None:
+                updates = jax.tree.map(lambda u: update_scale * u, updates)
             return (optax.apply_updates(params, updates), opt_state), (loss, optax.tree.norm(grads))
 
         (params, opt_state), (loss, gnorm) = jax.lax.scan(micro, (params, opt_state), batch)
@@ -57,3 +62,12 @@ def make_eval_step(graphdef):
                 "correct": jnp.sum(correct * mask), "rows_correct": jnp.sum(row_ok),
                 "rows": jnp.sum(has_target)}
     return eval_step
+
+
+def eval_summary(sums) -> dict:
+    """``loss`` (mean masked nll), ``accuracy`` (masked tokens right) and ``row_accuracy`` from
+    summed ``eval_step`` outputs, float64 numpy (scalars, or ``[M]`` for stacked models)."""
+    s = {k: np.asarray(v, np.float64) for k, v in jax.device_get(sums).items()}
+    tokens = np.maximum(s["tokens"], 1.0)
+    return {"loss": s["nll"] / tokens, "accuracy": s["correct"] / tokens,
+            "row_accuracy": s["rows_correct"] / np.maximum(s["rows"], 1.0)}

@@ -28,7 +28,7 @@ from hla_jax.train.checkpoint import Checkpointer, abstract_with_shardings
 from hla_jax.train.config import check_config
 from hla_jax.train.metrics import MetricWriter, peak_flops
 from hla_jax.train.optim import make_optimizer, make_schedule
-from hla_jax.train.steps import make_eval_step, make_train_step
+from hla_jax.train.steps import eval_summary, make_eval_step, make_train_step
 
 
 def init_state(model_cfg, seed, mesh, rules, tx):
@@ -81,10 +81,7 @@ def evaluate(eval_step, params, rest, source, c, mesh, proc) -> dict:
     for _ in range(c.train.eval_steps):
         out = eval_step(params, rest, sharding.global_batch(next(it), mesh, micro))
         sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
-    sums = jax.device_get(sums)
-    tokens = max(float(sums["tokens"]), 1.0)
-    return {"loss": float(sums["nll"]) / tokens, "accuracy": float(sums["correct"]) / tokens,
-            "row_accuracy": float(sums["rows_correct"]) / max(float(sums["rows"]), 1.0)}
+    return {k: float(v) for k, v in eval_summary(sums).items()}
 
 
 def sample_text(graphdef, params, rest, source, c, step) -> dict:
