@@ -99,8 +99,7 @@ def methods(kws):
         "ahla_xla_chunked": lambda q, k, v, g, beta, lam: ops.ahla(q, k, v, g, impl="chunked"),
         "hla3_pallas": hla_kernel("hla3", kws.get("hla3", {})),
         "hla3_xla_chunked": lambda q, k, v, g, beta, lam: ops.hla3(q, k, v, g, impl="chunked"),
-        "loglinear_mamba2_pallas": lambda q, k, v, g, beta, lam: kernels.loglinear_mamba2_pallas(
-            q, k, v, g, lam),
+        "loglinear_mamba2_pallas": family_kernel("loglinear_mamba2", kws.get("loglinear_mamba2", {})),
         "loglinear_mamba2_xla_chunked": lambda q, k, v, g, beta, lam: ops.loglinear_mamba2(
             q, k, v, g, lam, impl="chunked"),
         "loglinear_gdn_pallas": lambda q, k, v, g, beta, lam: kernels.loglinear_gated_deltanet_pallas(
@@ -141,24 +140,33 @@ def matmul_tflops():
     return 2 * 8192 ** 3 / ms / 1e9
 
 
-# (block_v, block_v_bwd, num_warps, num_warps_bwd, parallel_forward) tried by --tune
+# kernel settings tried by --tune, per family
+_HLA_KEYS = ("block_v", "block_v_bwd", "num_warps", "num_warps_bwd", "parallel_forward")
 SETTINGS = {
-    "hla2": [(64, 64, 8, 8, False), (64, 128, 8, 8, True), (64, 64, 4, 4, True)],
-    "ahla": [(64, 64, 8, 8, False), (128, 128, 8, 8, True)],
-    "hla3": [(64, 32, 8, 8, False), (64, 64, 8, 8, True)],
+    "hla2": [dict(zip(_HLA_KEYS, x)) for x in
+             [(64, 128, 8, 8, True), (64, 128, 8, 16, True), (64, 64, 8, 8, True), (64, 128, 8, 4, True)]]
+    + [dict(chunk_size=32, block_v=64, block_v_bwd=128, num_warps=4, num_warps_bwd=4, parallel_forward=True)],
+    "ahla": [dict(zip(_HLA_KEYS, x)) for x in [(64, 64, 8, 8, False), (64, 128, 8, 8, False)]],
+    "hla3": [dict(zip(_HLA_KEYS, x)) for x in [(64, 128, 8, 8, True), (64, 64, 8, 8, True)]],
+    "loglinear_mamba2": [dict(block_v_bwd=64), dict(block_v_bwd=128), dict(block_v_bwd=32)],
 }
 
 
+def family_kernel(family, kw):
+    if family == "loglinear_mamba2":
+        return lambda q, k, v, g, beta, lam: kernels.loglinear_mamba2_pallas(q, k, v, g, lam, **kw)
+    return hla_kernel(family, kw)
+
+
 def tune(T, tokens, repeats, families):
-    """Time ``SETTINGS`` of each HLA family at one ``T``; ``{family: fastest fwd+bwd's kw}``."""
+    """Time ``SETTINGS`` of each family at one ``T``; ``{family: fastest fwd+bwd's kw}``."""
     B = tokens // T
     args = inputs(B, T)
     picked = {}
     for family in families:
         best = (float("inf"), None)
-        for bv, bvb, nw, nwb, par in SETTINGS[family]:
-            kw = dict(block_v=bv, block_v_bwd=bvb, num_warps=nw, num_warps_bwd=nwb, parallel_forward=par)
-            fn = hla_kernel(family, kw)
+        for kw in SETTINGS[family]:
+            fn = family_kernel(family, kw)
             try:
                 t0 = time.perf_counter()
                 f = timeit(jax.jit(fn), *args[:6], repeats=repeats)
@@ -173,13 +181,43 @@ def tune(T, tokens, repeats, families):
     return picked
 
 
+def phases(family, kw, T, tokens, repeats):
+    """Median ms of each HLA kernel of ``family`` on its own (forward walk, ``states``,
+    ``outputs``, ``dstates``, ``grads``) with settings ``kw``, bf16, no gate."""
+    from hla_jax.kernels import wrap
+
+    B = tokens // T
+    q, k, v, *_ = inputs(B, T)
+    kw = dict(SETTINGS[family][0]) | kw
+    cfg = wrap.Config(family, 64, kw["block_v"], kw["block_v_bwd"], kw["num_warps"], kw["num_warps_bwd"])
+    mod = wrap.kernels(cfg)
+    b = jnp.zeros((B, H, T), jnp.float32)
+    cpu = jax.default_backend() == "cpu"  # interpret mode: a smoke test only
+    fw = dict(c=64, bv=cfg.bv_fwd, num_warps=cfg.warps_fwd, interpret=cpu)
+    bw = dict(c=64, bv=cfg.bv_bwd, num_warps=cfg.warps_bwd, interpret=cpu)
+    saved = jax.block_until_ready(mod.states(q, k, v, b, **fw))
+    do = v
+    dsaved = jax.block_until_ready(mod.dstates(q, k, v, b, *(saved if family in wrap.BILINEAR else ()),
+                                               do, **bw))
+    out = {"forward": timeit(lambda: mod.forward(q, k, v, b, **fw), repeats=repeats),
+           "states": timeit(lambda: mod.states(q, k, v, b, **fw), repeats=repeats),
+           "outputs": timeit(lambda: mod.outputs(q, k, v, b, *saved, **fw), repeats=repeats),
+           "dstates": timeit(lambda: mod.dstates(q, k, v, b, *(saved if family in wrap.BILINEAR else ()),
+                                                 do, **bw), repeats=repeats),
+           "grads": timeit(lambda: mod.grads(q, k, v, b, *saved, do, *dsaved, **bw), repeats=repeats)}
+    print(f"phases {family} T={T} {kw}: " + "  ".join(f"{n} {t:.2f} ms" for n, t in out.items()),
+          flush=True)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--T", default="2048,8192,32768,65536")
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--tune", type=int, default=0, help="first pick HLA kernel settings at this T")
-    p.add_argument("--tune_families", default="hla2,ahla,hla3")
+    p.add_argument("--tune_families", default="hla2,ahla,hla3,loglinear_mamba2")
+    p.add_argument("--phases", default="", help="time each kernel of these HLA families on its own")
     p.add_argument("--skip", default="", help="comma-separated methods to leave out")
     p.add_argument("--methods", default="", help="comma-separated methods to run (default: all)")
     p.add_argument("--budget", type=float, default=0, help="seconds; 0 = no limit")
@@ -195,6 +233,8 @@ def main():
     kws = {"hla2": kw}
     if a.tune:
         kws |= tune(a.tune, a.tokens, a.repeats, a.tune_families.split(","))
+    phase_ms = {f: phases(f, kws.get(f, {}), a.tune or 8192, a.tokens, a.repeats)
+                for f in a.phases.split(",") if f}
     mm = matmul_tflops()
     print(f"bf16 matmul 8192^3: {mm:.0f} TFLOP/s", flush=True)
     rows, t_start = [], time.perf_counter()
@@ -227,7 +267,8 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
     res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, H=H, d=D, dv=D,
-               tokens=a.tokens, dtype="bfloat16", matmul_tflops=mm, kernel_settings=kws, rows=rows)
+               tokens=a.tokens, dtype="bfloat16", matmul_tflops=mm, kernel_settings=kws, phases_ms=phase_ms,
+               rows=rows)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernels_bench.json"), "w") as f:
         json.dump(res, f, indent=1)

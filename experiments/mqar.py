@@ -144,7 +144,8 @@ def draw(sources, seed, split, index, pidx, batch, accum) -> dict:
     source (pair count) from key (seed, split, pairs, index), gathered by the models' source
     index ``pidx [M]`` (so the learning rates of one pair count see the same data)."""
     key = jax.random.fold_in(jax.random.key(seed), split)
-    per = [src.batch(jax.random.fold_in(jax.random.fold_in(key, src.num_kv_pairs), index), batch)
+    most = max(src.num_kv_pairs for src in sources)  # logits only at the answers (padded to most)
+    per = [src.batch(jax.random.fold_in(jax.random.fold_in(key, src.num_kv_pairs), index), batch, most)
            for src in sources]
     return {k: jnp.stack([b[k] for b in per])[pidx].reshape(pidx.shape[0], accum, batch // accum, -1)
             for k in per[0]}

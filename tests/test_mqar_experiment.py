@@ -171,3 +171,30 @@ def test_mqar_merge_of_shard_files(tmp_path):
     assert len(res["runs"]) == 2 and res["best"]["hla2"]["16"]["4"] == {
         "accuracy": 0.5, "row_accuracy": 0.1, "lr": 0.01}
     assert "| hla2 | 50.0 | – |" in md
+
+
+def test_loss_read_at_answer_positions_equals_the_full_loss(rng):
+    """``positions`` (MQAR's answers, padded) give the same loss and eval sums as scoring every
+    position under the mask, from logits at those positions only."""
+    from flax import nnx
+
+    from hla_jax.nn import LM, ModelConfig
+    from hla_jax.train import steps
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, mixer_pattern=("hla2",))
+    model = LM(cfg, rngs=nnx.Rngs(0))
+    src = data.MQAR(64, 64, 4)
+    batch = src.batch(jax.random.key(int(rng.integers(1 << 30))), 3, positions=9)
+    full = {k: v for k, v in batch.items() if k != "positions"}
+    logits = model(batch["inputs"])
+    picked = np.take_along_axis(np.asarray(logits), np.asarray(batch["positions"])[..., None], axis=1)
+    assert_close(model(batch["inputs"], batch["positions"]), picked, 1e-6)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    assert_close(steps.loss_fn(params, graphdef, rest, batch), steps.loss_fn(params, graphdef, rest, full),
+                 1e-6)
+    ev = steps.make_eval_step(graphdef)
+    add_accum = lambda b: jax.tree.map(lambda x: x[None], b)
+    for k, v in ev(params, rest, add_accum(full)).items():
+        assert_close(ev(params, rest, add_accum(batch))[k], v, 1e-6, k)
+    with pytest.raises(ValueError, match="positions"):
+        src.batch(jax.random.key(0), 2, positions=3)

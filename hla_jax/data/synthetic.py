@@ -48,9 +48,12 @@ class MQAR:
         mask[2 * n + gaps] = True
         return inputs, targets, mask
 
-    def batch(self, key, size: int) -> dict:
+    def batch(self, key, size: int, positions: int = 0) -> dict:
         """``size`` examples from ``jax.random`` key ``key``, distributed as ``example``'s: dict
-        ``inputs, targets`` int32 and ``mask`` float32, each ``[size, T]`` (jittable).
+        ``inputs, targets`` int32 and ``mask`` float32, each ``[size, T]`` (jittable); with
+        ``positions >= num_kv_pairs`` also ``positions [size, positions]`` int32, the answer
+        positions padded with 0 (mask 0 there), so a loss reads logits only there
+        (``train.steps.scored``).
 
         ``choice(range(m), n, replace=False)`` is a uniformly random ordered n-subset: the top n
         of m iid 32-bit scores (keys, values). With ``p`` it draws in turn, each next gap ∝ p
@@ -70,9 +73,14 @@ class MQAR:
         rows, kv, queries = jnp.arange(size)[:, None], 2 * jnp.arange(n), 2 * n + gaps
         zeros = jnp.zeros((size, T), jnp.int32)
         inputs = zeros.at[rows, kv].set(keys).at[rows, kv + 1].set(values)
-        return {"inputs": inputs.at[rows, queries].set(keys),
-                "targets": zeros.at[rows, queries].set(values),
-                "mask": jnp.zeros((size, T), jnp.float32).at[rows, queries].set(1.0)}
+        out = {"inputs": inputs.at[rows, queries].set(keys),
+               "targets": zeros.at[rows, queries].set(values),
+               "mask": jnp.zeros((size, T), jnp.float32).at[rows, queries].set(1.0)}
+        if positions:
+            if positions < n:
+                raise ValueError(f"positions={positions} < num_kv_pairs={n}")
+            out["positions"] = jnp.pad(queries, ((0, 0), (0, positions - n))).astype(jnp.int32)
+        return out
 
 
 FILLER = (

@@ -66,11 +66,15 @@ class LM(nnx.Module):
         w = self.embed[...].T if self.head is None else self.head.kernel[...]
         return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens):
-        """``tokens: [B,T] int -> logits [B,T,vocab] float32``."""
+    def __call__(self, tokens, positions=None):
+        """``tokens: [B,T] int -> logits [B,T,vocab] float32``; with ``positions: [B,P] int``
+        only the logits there, ``[B,P,vocab]`` (a loss read at a few positions skips the rest
+        of the vocabulary projection)."""
         x = self._embed(tokens)
         for block in self.blocks:
             x = block(x)
+        if positions is not None:
+            x = jnp.take_along_axis(x, positions[..., None], axis=1)
         return self._logits(x)
 
     def init_cache(self, batch: int, max_len: int):

@@ -11,19 +11,31 @@ import optax
 from flax import nnx
 
 
+def scored(batch):
+    """``(targets, mask)`` where the loss is read: every position ``[b,T]``, or only at
+    ``positions [b,P]`` when the batch has them (e.g. MQAR's answers; padding entries point at
+    a position whose mask is 0)."""
+    if "positions" not in batch:
+        return batch["targets"], batch["mask"]
+    at = lambda x: jnp.take_along_axis(x, batch["positions"], axis=1)
+    return at(batch["targets"]), at(batch["mask"])
+
+
 def token_nll(model, batch):
-    """``(nll [b,T], correct [b,T])``: −log p(target) and argmax == target, float32."""
-    logits = model(batch["inputs"]).astype(jnp.float32)
+    """``(nll, correct)``: −log p(target) and argmax == target, float32, at the ``scored``
+    positions (``[b,T]``, or ``[b,P]`` with ``positions``)."""
+    logits = model(batch["inputs"], batch.get("positions")).astype(jnp.float32)
+    targets, _ = scored(batch)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-    correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     return nll, correct
 
 
 def loss_fn(params, graphdef, rest, batch):
     """Masked mean cross-entropy ``Σ nll·mask / Σ mask`` of one micro-batch ``[b,T]``."""
     nll, _ = token_nll(nnx.merge(graphdef, params, rest), batch)
-    mask = batch["mask"]
+    _, mask = scored(batch)
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
@@ -55,7 +67,7 @@ def make_eval_step(graphdef):
     def eval_step(params, rest, batch):
         batch = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
         nll, correct = token_nll(nnx.merge(graphdef, params, rest), batch)
-        mask = batch["mask"]
+        _, mask = scored(batch)
         has_target = jnp.sum(mask, axis=-1) > 0
         row_ok = jnp.all((correct > 0) | (mask == 0), axis=-1) & has_target
         return {"nll": jnp.sum(nll * mask), "tokens": jnp.sum(mask),

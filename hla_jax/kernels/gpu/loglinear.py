@@ -43,7 +43,6 @@ from hla_jax.kernels.loglinear_chunk import (
     take,
 )
 
-
 STATIC = ("c", "bv", "num_warps", "interpret")
 
 
