@@ -104,10 +104,12 @@ def parse_args(argv=None):
     p.add_argument("--group", type=int, default=0,
                    help="at most this many models per program (0 = a whole cell)")
     p.add_argument("--impl", default="auto", help="operator impl (model.impl)")
+    p.add_argument("--set", default=[], action="append", metavar="KEY=VALUE",
+                   help="config override, repeatable, e.g. model.hla_decay=true (use its own --tag)")
     p.add_argument("--tag", default="paper", help="results go to <out>/mqar_<tag>.{json,png,md}")
     p.add_argument("--note", default="", help="free text stored in the JSON settings")
     p.add_argument("--out", default=str(common.RESULTS))
-    p.add_argument("--shard", default="0/1", help="i/n: run every n-th cell starting at i")
+    p.add_argument("--shard", default="0/1", help="i/n: run every n-th unfinished cell starting at i")
     p.add_argument("--merge", action="store_true", help="only merge shard files and report")
     p.add_argument("--jit_cache", default=os.path.join(tempfile.gettempdir(), "hla_jax_jit_cache"),
                    help="persistent compilation cache shared by runs and shards ('' = off)")
@@ -136,7 +138,23 @@ def make_config(args, mixer, dim, pairs, lr):
     c.model.vocab_size = args.vocab
     c.model.impl = args.impl
     c.train.eval_steps = args.eval_steps
+    for item in args.set:
+        key, _, value = item.partition("=")
+        c.update_from_flattened_dict({key: yaml_value(value)})
     return common.quiet(c)
+
+
+def yaml_value(text: str):
+    """``true``/``false``, numbers, else the string (the types of ``--config.x=...``)."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def draw(sources, seed, split, index, pidx, batch, accum) -> dict:
@@ -337,7 +355,7 @@ def main(argv=None) -> dict:
     settings = {"mixers": args.mixers, "dims": args.dims, "pairs": args.pairs, "lrs": args.lrs,
                 "steps": c.train.num_steps, "warmup": c.optim.warmup_steps,
                 "seq_len": args.seq_len, "batch": args.batch, "eval_steps": args.eval_steps,
-                "eval_every": args.eval_every, "group": args.group, "impl": args.impl,
+                "eval_every": args.eval_every, "group": args.group, "impl": args.impl, "set": args.set,
                 "n_layers": 2, "vocab_size": args.vocab, "note": args.note}
     res = common.read_json(main_path) or {"tag": args.tag, "runs": {}}
     res.setdefault("cells", {})
@@ -354,12 +372,15 @@ def main(argv=None) -> dict:
     mine = common.read_json(path) if path != main_path else res
     mine.setdefault("runs", {})
     mine.setdefault("cells", {})
-    cells = [(m, d) for d in args.dims for m in args.mixers][i::n]
+    done = res["runs"].keys() | mine["runs"].keys()
+
+    def todo_of(mixer, dim):
+        return [(p, lr) for p in args.pairs for lr in args.lrs if run_key(mixer, dim, p, lr) not in done]
+
+    # unfinished cells only, then every n-th: a resumed sweep spreads what is left over the shards
+    cells = [(m, d) for d in args.dims for m in args.mixers if todo_of(m, d)][i::n]
     for k, (mixer, dim) in enumerate(cells):
-        done = res["runs"].keys() | mine["runs"].keys()
-        todo = [(p, lr) for p in args.pairs for lr in args.lrs if run_key(mixer, dim, p, lr) not in done]
-        if not todo:
-            continue
+        todo = todo_of(mixer, dim)
         n_groups = math.ceil(len(todo) / (args.group or len(todo)))
         for g, group in enumerate(np.array_split(np.arange(len(todo)), n_groups)):
             runs, timing = train_cell(args, mixer, dim, [todo[j] for j in group],
