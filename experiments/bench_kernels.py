@@ -294,11 +294,14 @@ def table(res):
             cs.append(f"{r['fwd_ms']:.2f} / {r['fwd_bwd_ms']:.2f}" if "fwd_bwd_ms" in r else
                       "error" if "error" in r else "–")
         small = f" (B·T={SMALL_TOKENS[n]})" if n in SMALL_TOKENS else ""
+        small += " †" if any(r.get("run") == "earlier" for r in res["rows"] if r["method"] == n) else ""
         lines.append(f"| {n}{small} | " + " | ".join(cs) + " |")
     for n in (n for n in names if n.startswith("hla2_pallas")):
         for key in ("fwd_tflops", "fwd_bwd_tflops"):
             cs = [f"{cell[(n, T)][key]:.0f}" if key in cell.get((n, T), {}) else "–" for T in Ts]
             lines.append(f"| {n} {key.replace('_tflops', '')} TFLOP/s | " + " | ".join(cs) + " |")
+    if any(r.get("run") == "earlier" for r in res["rows"]):
+        lines += ["", f"† from an earlier run of this script on the same machine ({res.get('earlier', '')})"]
     return "\n".join(lines) + "\n"
 
 
