@@ -92,7 +92,7 @@ def test_mixer_pallas_impl_matches_chunked(name, rng):
 
 DECODE_CASES = [(name, {"hla_decay": True}) for name in MIXERS] + [
     ("hla2", {"hla_normalize": True}), ("ahla", {"hla_normalize": True}),
-    ("hla3", {"hla_normalize": True}),
+    ("hla3", {"hla_normalize": True}), ("hla2", {"hla_conv": True}), ("linear", {"hla_conv": True}),
     ("gated_deltanet", {"conv_size": 0})]
 
 
@@ -201,5 +201,8 @@ def test_flops_per_token():
     assert flops_per_token(lin, 1024) > 3 * 2 * 2 * (3 * 64 * lin.mlp_dim)
     for name in MIXERS:
         assert mixer_core_flops(name, 4096, 64, 64, 16) > 0
+    conv = dataclasses.replace(lin, hla_conv=True)
+    assert flops_per_token(conv, 1024) - flops_per_token(lin, 1024) == 3 * 2 * (2 * 4 * 3 * 64)  # 3×fwd, 2 layers
+    assert "conv" in str(nnx.state(LM(dataclasses.replace(conv, n_layers=1), rngs=nnx.Rngs(0))))
     ll = [mixer_core_flops("loglinear_mamba2", T, 64, 64, 16) for T in (1024, 4096)]
     assert ll[1] > ll[0]  # one chunk-level state read per extra level

@@ -37,7 +37,9 @@ class ModelConfig:
     HLA mixers; the Gated DeltaNet mixers always L2-normalise (the delta rule needs unit keys),
     Mamba-2 and softmax follow their published forms (no q/k normalisation).
     ``hla_decay`` adds a learned Mamba-style decay gate to the ``linear`` and HLA mixers;
-    ``hla_normalize`` uses the ratio-normalised HLA readout.
+    ``hla_normalize`` uses the ratio-normalised HLA readout; ``hla_conv`` gives them the short
+    causal convolution on q, k, v (width ``conv_size``) that the Mamba-2 / Gated DeltaNet
+    mixers always have.
     ``seq_axis``: the mesh axis the time axis is sharded over ("" = none; the trainer sets
     "sequence" when ``mesh.sequence > 1``): the recurrent mixers then run their op through
     ``ops.sequence.over_time`` (``impl`` chunked/auto).  Decoding ignores it (unsharded).
@@ -64,6 +66,7 @@ class ModelConfig:
     output_gate: str = "silu"
     hla_decay: bool = False
     hla_normalize: bool = False
+    hla_conv: bool = False
     seq_axis: str = ""
 
     def __post_init__(self):

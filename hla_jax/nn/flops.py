@@ -77,8 +77,11 @@ def mixer_projection_width(cfg: ModelConfig, name: str) -> int:
     return width
 
 
-def uses_conv(name: str) -> bool:
-    return name in ("mamba2", "gated_deltanet", "loglinear_mamba2", "loglinear_gated_deltanet")
+def uses_conv(name: str, cfg: ModelConfig) -> bool:
+    """Whether mixer ``name`` has the short conv: the SSM mixers always, linear/HLA with
+    ``cfg.hla_conv``."""
+    return name in ("mamba2", "gated_deltanet", "loglinear_mamba2", "loglinear_gated_deltanet") or (
+        cfg.hla_conv and name in ("linear", "hla2", "ahla", "hla3"))
 
 
 def forward_flops_per_token(cfg: ModelConfig, T: int) -> float:
@@ -87,7 +90,7 @@ def forward_flops_per_token(cfg: ModelConfig, T: int) -> float:
     total = 2.0 * D * cfg.vocab_size
     for name in cfg.layer_mixers():
         total += 2 * 3 * D * cfg.mlp_dim + 2 * D * mixer_projection_width(cfg, name)
-        if uses_conv(name) and cfg.conv_size > 0:
+        if uses_conv(name, cfg) and cfg.conv_size > 0:
             total += 2 * cfg.conv_size * 3 * cfg.n_heads * cfg.head_dim
         total += cfg.n_heads * mixer_core_flops(name, T, cfg.head_dim, c, cfg.num_levels)
     return total

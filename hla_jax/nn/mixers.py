@@ -4,7 +4,7 @@ Feature maps and gates (published architectures):
 
 - ``linear``, ``hla2``, ``ahla``, ``hla3``: q/k L2-normalised, q scaled by ``d**-0.5``
   (``cfg.qk_norm``, default on: keeps second/third-order sums bounded); optional learned
-  Mamba-style decay (``cfg.hla_decay``); no short conv.
+  Mamba-style decay (``cfg.hla_decay``); a short conv on q, k, v only with ``cfg.hla_conv``.
 - ``mamba2`` / ``loglinear_mamba2``: short conv + SiLU on (x, B, C); ``q = C``, ``k = B``,
   ``dt = softplus(x W_dt + dt_bias)``, ``g = −exp(A_log)·dt``, ``v = dt·x``, plus ``D ∘ x`` skip.
 - ``gated_deltanet`` / ``loglinear_gated_deltanet``: short conv + SiLU on q, k, v; q, k
@@ -47,6 +47,10 @@ class FeatureMapMixer(RecurrentMixer):
     """
 
     hla = True
+
+    @property
+    def uses_conv(self):
+        return self.cfg.hla_conv
 
     def __init__(self, cfg, *, rngs, out_std):
         super().__init__(cfg, rngs=rngs, out_std=out_std)
