@@ -11,9 +11,9 @@ first-order Mosaic GPU ``simple_gla`` / ``gated_deltanet`` kernels, plain-JAX
 kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384.  ``--budget`` seconds: no new
 (method, T) pair starts after it (the results so far are written).
 
-bf16, H=16, d=dv=128, B·T = ``--tokens``; forward and forward+backward (gradient of
+bf16, ``--shape H,d,dv`` (default 16,128,128), B·T = ``--tokens``; forward and forward+backward (gradient of
 ``sum(o·w)`` w.r.t. q, k, v) median wall times (ms) over ``--repeats`` runs after a warm-up;
-plus the achieved TFLOP/s of the kernel's matmul work (``kernel_flops``) next to a bf16 8192³
+plus the achieved TFLOP/s of the kernel's matmul work (``kernel_flops``) next to a bf16 ``--matmul_n``³
 matmul timed in the same run.  Writes ``kernels_bench.json`` and ``kernels_bench.md``.
 """
 
@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,14 @@ import numpy as np
 from hla_jax import kernels, ops
 from hla_jax.ops import fenwick
 
-H, D = 16, 128
+
+class Shape(NamedTuple):
+    """Heads, key (state) width ``d`` and value width ``dv`` of a benchmark."""
+    H: int = 16
+    d: int = 128
+    dv: int = 128
+
+
 
 
 def timeit(fn, *args, repeats=10):
@@ -45,10 +53,11 @@ def timeit(fn, *args, repeats=10):
     return 1e3 * statistics.median(ts)
 
 
-def kernel_flops(B, T, c=64, d=D, dv=D, bv=64, bv_bwd=64):
+def kernel_flops(B, T, shape, c=64, bv=64, bv_bwd=64):
     """Matmul FLOPs the HLA2 kernels execute (value tiles repeat the ``S`` work): forward, and
     forward+backward (= forward + ``states`` walk (counted as a forward) + ``dstates`` walk
     (the six matmuls its state cotangents need) + chunk-parallel ``grads``)."""
+    H, d, dv = shape
     heads_chunks = B * H * (-(-T // c))
 
     def fwd(bv):
@@ -64,15 +73,17 @@ def kernel_flops(B, T, c=64, d=D, dv=D, bv=64, bv_bwd=64):
     return f, 2 * f + heads_chunks * (dstates(bv_bwd) + grads(bv_bwd)), heads_chunks * fwd(dv)
 
 
-def inputs(B, T, seed=0):
+def inputs(B, T, shape, seed=0):
     """``q, k, v, g, beta, lam, w`` (bf16 except the gates; λ with ⌈log2 T⌉+1 levels)."""
+    H, d, dv = shape
     rng = np.random.default_rng(seed)
-    q, k, v = (jnp.asarray(rng.normal(size=(B, T, H, D)) / np.sqrt(D), jnp.bfloat16) for _ in range(3))
+    q, k = (jnp.asarray(rng.normal(size=(B, T, H, d)) / np.sqrt(d), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.bfloat16)
     k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(jnp.bfloat16)
     g = jnp.asarray(-rng.uniform(0.0, 0.1, (B, T, H)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.bfloat16)
     lam = jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, fenwick.num_levels(T))), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.bfloat16)
     return q, k, v, g, beta, lam, w
 
 
@@ -134,10 +145,11 @@ def methods(kws):
     return out
 
 
-def matmul_tflops():
-    a = jnp.asarray(np.random.default_rng(1).normal(size=(8192, 8192)), jnp.bfloat16)
+def matmul_tflops(n=8192):
+    """TFLOP/s of a bf16 ``n×n @ n×n`` matmul."""
+    a = jnp.asarray(np.random.default_rng(1).normal(size=(n, n)), jnp.bfloat16)
     ms = timeit(jax.jit(lambda x, y: x @ y), a, a)
-    return 2 * 8192 ** 3 / ms / 1e9
+    return 2 * n ** 3 / ms / 1e9
 
 
 # kernel settings tried by --tune, per family
@@ -158,10 +170,10 @@ def family_kernel(family, kw):
     return hla_kernel(family, kw)
 
 
-def tune(T, tokens, repeats, families):
+def tune(T, tokens, repeats, families, shape):
     """Time ``SETTINGS`` of each family at one ``T``; ``{family: fastest fwd+bwd's kw}``."""
     B = tokens // T
-    args = inputs(B, T)
+    args = inputs(B, T, shape)
     picked = {}
     for family in families:
         best = (float("inf"), None)
@@ -181,17 +193,17 @@ def tune(T, tokens, repeats, families):
     return picked
 
 
-def phases(family, kw, T, tokens, repeats):
+def phases(family, kw, T, tokens, repeats, shape):
     """Median ms of each HLA kernel of ``family`` on its own (forward walk, ``states``,
     ``outputs``, ``dstates``, ``grads``) with settings ``kw``, bf16, no gate."""
     from hla_jax.kernels import wrap
 
     B = tokens // T
-    q, k, v, *_ = inputs(B, T)
+    q, k, v, *_ = inputs(B, T, shape)
     kw = dict(SETTINGS[family][0]) | kw
     cfg = wrap.Config(family, 64, kw["block_v"], kw["block_v_bwd"], kw["num_warps"], kw["num_warps_bwd"])
     mod = wrap.kernels(cfg)
-    b = jnp.zeros((B, H, T), jnp.float32)
+    b = jnp.zeros((B, shape.H, T), jnp.float32)
     cpu = jax.default_backend() == "cpu"  # interpret mode: a smoke test only
     fw = dict(c=64, bv=cfg.bv_fwd, num_warps=cfg.warps_fwd, interpret=cpu)
     bw = dict(c=64, bv=cfg.bv_bwd, num_warps=cfg.warps_bwd, interpret=cpu)
@@ -210,9 +222,13 @@ def phases(family, kw, T, tokens, repeats):
     return out
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--T", default="2048,8192,32768,65536")
+    p.add_argument("--shape", default="16,128,128",
+                   help="H,d,dv (e.g. Mamba-2's 48,128,64: 48 heads, state 128, head dim 64)")
+    p.add_argument("--name", default="kernels_bench", help="results go to <out>/<name>.{json,md}")
+    p.add_argument("--matmul_n", type=int, default=8192, help="size of the reference bf16 matmul")
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--tune", type=int, default=0, help="first pick HLA kernel settings at this T")
@@ -227,16 +243,17 @@ def main():
     p.add_argument("--num_warps_bwd", type=int, default=8)
     p.add_argument("--parallel_forward", action="store_true")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    shape = Shape(*(int(x) for x in a.shape.split(",")))
     kw = dict(block_v=a.block_v, block_v_bwd=a.block_v_bwd, num_warps=a.num_warps,
               num_warps_bwd=a.num_warps_bwd, parallel_forward=a.parallel_forward)
     kws = {"hla2": kw}
     if a.tune:
-        kws |= tune(a.tune, a.tokens, a.repeats, a.tune_families.split(","))
-    phase_ms = {f: phases(f, kws.get(f, {}), a.tune or 8192, a.tokens, a.repeats)
+        kws |= tune(a.tune, a.tokens, a.repeats, a.tune_families.split(","), shape)
+    phase_ms = {f: phases(f, kws.get(f, {}), a.tune or 8192, a.tokens, a.repeats, shape)
                 for f in a.phases.split(",") if f}
-    mm = matmul_tflops()
-    print(f"bf16 matmul 8192^3: {mm:.0f} TFLOP/s", flush=True)
+    mm = matmul_tflops(a.matmul_n)
+    print(f"bf16 matmul {a.matmul_n}^3: {mm:.0f} TFLOP/s", flush=True)
     rows, t_start = [], time.perf_counter()
     chosen = methods(kws)
     if a.methods:
@@ -251,7 +268,7 @@ def main():
                 break
             tokens = SMALL_TOKENS.get(name, a.tokens)
             B = max(tokens // T, 1)
-            args = data[B] = data.get(B) or inputs(B, T)
+            args = data[B] = data.get(B) or inputs(B, T, shape)
             row = dict(method=name, T=T, B=B)
             try:
                 row["fwd_ms"] = timeit(jax.jit(fn), *args[:6], repeats=a.repeats)
@@ -259,21 +276,21 @@ def main():
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             if name == "hla2_pallas" and "fwd_ms" in row:
-                f, fb, useful = kernel_flops(B, T, bv=kws["hla2"]["block_v"],
+                f, fb, useful = kernel_flops(B, T, shape, bv=kws["hla2"]["block_v"],
                                              bv_bwd=kws["hla2"]["block_v_bwd"])
                 row["fwd_tflops"] = f / row["fwd_ms"] / 1e9
                 row["fwd_bwd_tflops"] = fb / row["fwd_bwd_ms"] / 1e9
                 row["fwd_tflops_useful"] = useful / row["fwd_ms"] / 1e9
             rows.append(row)
             print(json.dumps(row), flush=True)
-    res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, H=H, d=D, dv=D,
+    res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, H=shape.H, d=shape.d, dv=shape.dv,
                tokens=a.tokens, dtype="bfloat16", matmul_tflops=mm, kernel_settings=kws, phases_ms=phase_ms,
                rows=rows)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "kernels_bench.json"), "w") as f:
+    with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
         json.dump(res, f, indent=1)
     md = table(res)
-    with open(os.path.join(a.out, "kernels_bench.md"), "w") as f:
+    with open(os.path.join(a.out, f"{a.name}.md"), "w") as f:
         f.write(md)
     print(md)
 
@@ -283,7 +300,7 @@ def table(res):
     Ts = sorted({r["T"] for r in res["rows"]})
     names = list(dict.fromkeys(r["method"] for r in res["rows"]))
     cell = {(r["method"], r["T"]): r for r in res["rows"]}
-    lines = [f"{res['device']}, jax {res['jax']}, bf16, H={res['H']}, d=dv={res['d']}, "
+    lines = [f"{res['device']}, jax {res['jax']}, bf16, H={res['H']}, d={res['d']}, dv={res['dv']}, "
              f"B·T={res['tokens']}; median ms, fwd / fwd+bwd; bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s",
              "", "| method | " + " | ".join(f"T={T}" for T in Ts) + " |",
              "|---" * (len(Ts) + 1) + "|"]

@@ -60,3 +60,18 @@ def test_multi_niah_hides_the_needle_among_distractors(rng):
     answer = ByteTokenizer().decode(targets[mask])
     assert text.count(" number is ") == 4 + 1  # 4 needles + the question's answer
     assert f"The magic number is {answer}. " in text and text.endswith(f"The magic number is {answer}")
+
+
+def test_bench_kernels_runs_a_tiny_shape(tmp_path):
+    """The kernel benchmark end to end on a tiny shape (interpret mode here: the times mean
+    nothing on a CPU): rows, the HLA2 rate, JSON and Markdown under ``--name``."""
+    from experiments import bench_kernels
+
+    bench_kernels.main(["--shape", "2,16,32", "--T", "64", "--tokens", "128", "--repeats", "1",
+                        "--methods", "hla2_pallas,loglinear_mamba2_pallas", "--out", str(tmp_path),
+                        "--name", "tiny", "--matmul_n", "256"])
+    res = json.loads((tmp_path / "tiny.json").read_text())
+    assert (res["H"], res["d"], res["dv"]) == (2, 16, 32)
+    assert [r["method"] for r in res["rows"]] == ["hla2_pallas", "loglinear_mamba2_pallas"]
+    assert all("fwd_bwd_ms" in r for r in res["rows"]) and "fwd_bwd_tflops" in res["rows"][0]
+    assert "| hla2_pallas |" in (tmp_path / "tiny.md").read_text()
