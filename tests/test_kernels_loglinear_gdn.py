@@ -112,12 +112,20 @@ def test_walk_backward_is_the_vjp_of_walk_forward(rng, x64, n):
     outs, vjp = jax.vjp(lambda *a: chunk.walk_forward(*a, n), *args)
     dO, dH = _f64(rng, c, bv), tuple(_f64(rng, d, bv) for _ in range(S))
     *want, want_dlam, want_dH = vjp((dO, dH))
-    *got, got_dlam, got_dH = chunk.walk_backward(*args[:6], dO, lambda m: args[6][m - 1], dH, n)
+    load = lambda m: args[6][m - 1]
+    dOwn, dH_level = chunk.carry_backward(dH, n)
+    *got, got_dlam, got_dH = chunk.walk_backward(*args[:6], dO, load, dOwn, dH_level, n)
     for name, a, b in zip(["dQh", "dW", "dKt", "dU", "dgc", "dlam", "dH"], got + [
             jnp.stack(got_dlam), jnp.stack(got_dH)], want + [jnp.stack(want_dlam),
                                                              jnp.stack(want_dH)]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12,
                                    err_msg=name)
+    # the chunk-parallel form: the read levels' cotangents loaded where read, the rest unused
+    *par, par_dlam, _ = chunk.walk_backward(*args[:6], dO, load, dOwn, [jnp.zeros_like(dOwn)] * S, n,
+                                            dload=lambda m: dH_level[m - 1])
+    for name, a, b in zip(["dQh", "dW", "dKt", "dU", "dgc", "dlam"], par + [jnp.stack(par_dlam)],
+                          got + [jnp.stack(got_dlam)]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, err_msg="dload " + name)
 
 
 def test_rejects_bad_input(rng):
@@ -125,6 +133,8 @@ def test_rejects_bad_input(rng):
     ker = lambda *a, **kw: loglinear_gated_deltanet_pallas(*a, interpret=True, **kw)
     with pytest.raises(ValueError, match="chunk_size"):
         ker(q, k, v, g, beta, lam, chunk_size=24)
+    with pytest.raises(ValueError, match="block_v_bwd"):
+        ker(q, k, v, g, beta, lam, block_v_bwd=48)
     with pytest.raises(ValueError, match="g"):
         ker(q, k, v, None, beta, lam)
     with pytest.raises(ValueError, match="beta"):

@@ -76,6 +76,15 @@ def value_tile(block_v: int, d: int, dv: int, P: int) -> int:
     return min(block_v, pow2_at_least(max(dv, 16)), fit)
 
 
+def value_tiles(block_v: int, block_v_bwd: int, d: int, dv: int, P: int):
+    """``(bv, bv_bwd, dvp)``: the walks' value tile (``value_tile``), the chunk-parallel
+    gradients' (``block_v_bwd``, at most ``dv`` rounded up to a power of two) and ``dv`` padded
+    to a multiple of both."""
+    bv = value_tile(block_v, d, dv, P)
+    bvb = min(block_v_bwd, pow2_at_least(max(dv, 16)))
+    return bv, bvb, -(-dv // max(bv, bvb)) * max(bv, bvb)
+
+
 def level_scales(b, c: int, P: int):
     """``s: [B,H,N,P]`` from ``b [B,H,Tp]``: chunk ``n`` reads slot ``j`` as ``s[n,j] W[m]``,
     ``m = block_end(n, j)``, with ``s[n,j] = exp(Σ_{m<k<n} b_k^end)`` (the decay of the chunks
@@ -152,9 +161,7 @@ def loglinear_mamba2_pallas(q, k, v, g, lam, *, chunk_size=64, interpret=None, b
                                                 block_v=block_v, interpret=interpret,
                                                 platform=platform, block_v_bwd=block_v_bwd)
     P = chunk_levels(T, c)
-    bv = value_tile(block_v, dp, dv, P)
-    bvb = min(block_v_bwd, pow2_at_least(max(dv, 16)))
-    dvp = -(-dv // max(bv, bvb)) * max(bv, bvb)
+    bv, bvb, dvp = value_tiles(block_v, block_v_bwd, dp, dv, P)
     cfg = Config(c, bv, bvb, num_warps, interpret, platform)
     qp, kp = (pad(x.astype(dt), Tp, dp) for x in (q, k))
     gp = jnp.pad(g.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0)))

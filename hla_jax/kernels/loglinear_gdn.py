@@ -13,14 +13,17 @@ Design (``kernels/loglinear_gdn_chunk.py`` has the per-chunk math):
    non-empty levels through its ``d×d`` transition as 2-D dots, O(T log T · d · dv) in all.
 ``jax.custom_vjp``: the forward keeps only its inputs.  The backward re-runs 1 and 2 (2 with
 ``save_states``: each level state at the chunks that read it, about S/2 states per chunk, held
-only inside the backward), walks the chunks in reverse with the cotangent level states, then
-runs the UT backward in parallel over chunks.  ``dg`` follows by autodiff of the per-chunk
+only inside the backward), walks the chunks in reverse with the cotangent level states, writing
+each chunk's merged-block and read-level cotangents (``walk_dstates``), computes every chunk's
+walk gradients at once with its own value tile (``walk_grads``, ``block_v_bwd``), then runs the
+UT backward in parallel over chunks.  ``dg`` follows by autodiff of the per-chunk
 cumulative log-decay (``chunk_log_decay``, floored at ``LOG_DECAY_FLOOR``: a reset ``g = -inf``
 stays finite), ``dlam`` through its padding and transpose.
 
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
-path (``kernels/gpu``, Triton lowering) passes the H200 check in bf16
-(``experiments/check_kernels_gpu.py``; float32 not yet run there); the TPU path
+path (``kernels/gpu``, Triton lowering) passed the H200 check in bf16 with its earlier
+single-walk backward (``experiments/check_kernels_gpu.py``); the split backward above has not
+run on a GPU yet (CPU interpret tests and Triton lowering only); the TPU path
 (``kernels/tpu``, Mosaic) is tested in interpret mode only: no TPU was available.  Inputs
 other than all-bf16 run in float32; ``d`` is zero-padded to a power of two >= 16, ``dv`` to a
 multiple of the value tile, ``T`` to a multiple of ``chunk_size`` (a power of two >= 16).
@@ -33,7 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hla_jax.kernels.loglinear import Config, chunk_levels, levels_first, value_tile
+from hla_jax.kernels.loglinear import Config, chunk_levels, levels_first, value_tiles
 from hla_jax.kernels.wrap import backend_module, chunk_log_decay, launch, pad
 from hla_jax.ops.common import check_gate, check_per_token, check_qkv
 from hla_jax.ops.loglinear import check_lam
@@ -73,8 +76,9 @@ def _core_bwd(cfg, res, do):
     kw = dict(c=cfg.c, num_warps=cfg.num_warps, interpret=cfg.interpret)
     (_, states), (qh, w, u) = _walk(cfg, q, k, v, b, beta, lam, save_states=True)
     do = do.astype(dt)
-    dqh, dw, dk1, du, db1, dlam1 = mod.walk_backward(qh, w, k, u, b, lam, states, do, bv=cfg.bv,
-                                                     **kw)
+    dOwn, dlev = mod.walk_dstates(qh, w, k, u, b, lam, states, do, bv=cfg.bv, **kw)
+    dqh, dw, dk1, du, db1, dlam1 = mod.walk_grads(qh, w, k, u, b, lam, states, dOwn, dlev, do,
+                                                  bv=cfg.bv_bwd, **kw)
     dq, dk2, dv, db2, dbeta, dlam2 = mod.ut_backward(
         q, k, v, b, beta, lam, do, dqh.sum(0).astype(dt), dw.sum(0).astype(dt), du.astype(dt),
         **kw)
@@ -86,12 +90,14 @@ loglinear_gdn_core.defvjp(_core_fwd, _core_bwd)
 
 
 def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, interpret=None,
-                                    block_v=64, num_warps=8, platform=None):
+                                    block_v=64, block_v_bwd=64, num_warps=8, platform=None):
     """Log-linear Gated DeltaNet via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
 
-    ``block_v`` caps the value tile of the walk (a power of two >= 16; ``kernels.loglinear.value_tile``
-    shrinks it so the S level states of one program fit ``STACK_BYTES``), ``num_warps`` (Triton) and
-    ``platform`` ("gpu" | "tpu"; default from ``jax.default_backend()``) tune the kernels.
+    ``block_v`` caps the value tile of the walks (a power of two >= 16;
+    ``kernels.loglinear.value_tile`` shrinks it so the S level states of one program fit
+    ``STACK_BYTES``), ``block_v_bwd`` is that of the chunk-parallel walk gradients, ``num_warps``
+    (Triton) and ``platform`` ("gpu" | "tpu"; default from ``jax.default_backend()``) tune the
+    kernels.
     """
     name = "loglinear_gated_deltanet_pallas"
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
@@ -100,12 +106,11 @@ def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, int
     lam = check_lam(lam, B, T, H, name=name)
     c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, chunk_size=chunk_size,
                                                 block_v=block_v, interpret=interpret,
-                                                platform=platform)
+                                                platform=platform, block_v_bwd=block_v_bwd)
     S = chunk_levels(T, c)  # chunk levels log2 c + 1 .. log2 c + S
-    bv = value_tile(block_v, dp, dv, S)
-    dvp = -(-dv // bv) * bv
+    bv, bvb, dvp = value_tiles(block_v, block_v_bwd, dp, dv, S)
     per_token = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0)))
-    cfg = Config(c, bv, bv, num_warps, interpret, platform)
+    cfg = Config(c, bv, bvb, num_warps, interpret, platform)
     o = loglinear_gdn_core(pad(q.astype(dt), Tp, dp), pad(k.astype(dt), Tp, dp),
                            pad(v.astype(dt), Tp, dvp), chunk_log_decay(per_token(g), c),
                            jnp.swapaxes(per_token(beta), 1, 2),

@@ -138,6 +138,11 @@ def _bit(n, m: int):
     return (n & (1 << m)) != 0
 
 
+def read_at(n, m: int):
+    """Level ``m`` (1..S) is non-empty, so read, at chunk ``n``: bit ``m−1`` of ``n`` is set."""
+    return _bit(n, m - 1)
+
+
 def _carry_masks(n, S: int):
     """For the carry into chunk ``n ≥ 1`` (z = trailing zeros of n), per level m = 1..S as float
     scalars: ``below[m] = [m ≤ z+1]`` and ``top[m] = [m = z+1]``."""
@@ -171,25 +176,36 @@ def walk_forward(Qh, W, Kt, U, gc, lam, H, n, save=None):
     return O, tuple(tp * merged + (1.0 - lo) * Hm for lo, tp, Hm in zip(below, top, out))
 
 
-def walk_backward(Qh, W, Kt, U, gc, lam, dO, load, dH, n):
-    """Reverse-mode step of ``walk_forward`` at chunk ``n``.
+def carry_backward(dH, n):
+    """Transpose of the carry out of chunk ``n``: from the cotangents ``dH`` of the states
+    ``walk_forward`` returned, ``(dOwn, dH_level)``: the cotangent of the chunk's merged block
+    ``K̃ᵀ U + Σ_{m≤z} H[m]`` and those of the level states after the chunk's transitions."""
+    below, top = _carry_masks(jnp.asarray(n, jnp.int32) + 1, len(dH))
+    dOwn = sum(tp * dHm for tp, dHm in zip(top, dH))
+    return dOwn, [lo * dOwn + (1.0 - lo) * dHm for lo, dHm in zip(below, dH)]
 
-    ``dO [c,bv]``; ``dH``: cotangents of the states it returned; ``load(m)``: the saved float32
-    ``H[m]`` (called for the levels read at ``n``).  Returns ``(dQh, dW, dKt [c,d], dU [c,bv],
-    dgc, dlam (S vectors [c]), cotangents of the incoming states)``, float32.
+
+def walk_backward(Qh, W, Kt, U, gc, lam, dO, load, dOwn, dH, n, dload=None):
+    """Reverse-mode step of ``walk_forward`` at chunk ``n``, after ``carry_backward``.
+
+    ``dO [c,bv]``; ``dOwn`` and ``dH`` from ``carry_backward`` (or, with ``dload(m)``, level
+    ``m``'s entry of ``dH`` loaded where it is read; ``dH`` then only passes through);
+    ``load(m)``: the saved float32 ``H[m]`` (called for the levels read at ``n``).  Returns
+    ``(dQh, dW, dKt [c,d], dU [c,bv], dgc, dlam (S vectors [c]), cotangents of the incoming
+    states)``, float32.
     """
     dt, n = Qh.dtype, jnp.asarray(n, jnp.int32)
     c, d = Qh.shape
-    below, top = _carry_masks(n + 1, len(dH))
-    dOwn = sum(tp * dHm for tp, dHm in zip(top, dH))
     dOwn_ = dOwn.astype(dt)
-    f = dH[0].dtype
+    f = dOwn.dtype
     acc = (jnp.zeros((c, d), f), jnp.zeros((c, d), f), dot(U, dOwn_, tb=True),
            jnp.zeros((dOwn.shape[1],), f))  # dγ_c by columns: no scalar through lax.cond
     dlam, dH_in = [], []
     for m, (dHm, w) in enumerate(zip(dH, lam), 1):
         def active(dHm, dQh, dW, dKt, dgc, m=m, w=w):
             Hm = load(m)
+            if dload is not None:
+                dHm = dload(m)
             Hd, dHd = Hm.astype(dt), dHm.astype(dt)
             wdO = (w[:, None] * dO).astype(dt)
             Y = dot(Kt, dHd).astype(dt)
@@ -201,8 +217,6 @@ def walk_backward(Qh, W, Kt, U, gc, lam, dO, load, dH, n):
         def idle(dHm, *acc):
             return (dHm, *acc, jnp.zeros((c,), f))
 
-        lo = below[m - 1]
-        dHm = lo * dOwn + (1.0 - lo) * dHm
         dHm, *acc, dl = jax.lax.cond(_bit(n, m - 1), active, idle, dHm, *acc)
         dH_in.append(dHm)
         dlam.append(dl)

@@ -13,8 +13,12 @@ stay in the caller's ``[B,Tp,H,·]`` layout (strided tile loads), per-token vect
   writes, transiently for the backward, each level state at the chunks that read it, packed per
   level: level m is read at the chunks with bit m−1 set, ``⌊N/2⌋`` at most, ``[B,H,S,⌊N/2⌋,d,dv]``
   in the input dtype.
-- ``walk_backward``: the reverse walk with the cotangent level states; value tile ``j`` yields its
-  share of ``dQ̂, dW, dK, db, dλ`` (summed by the caller) and its slice of ``dU``.
+- ``walk_dstates``: the reverse walk with the cotangent level states (only these are kept of the
+  chunk backward; the rest is dead code, removed by the compiler), writing per chunk the
+  cotangent of its merged block and, packed as the states, those of the levels it reads.
+- ``walk_grads``: chunk-parallel (grid ``(B, H, N, nv)``, no carry, its own value tile): value
+  tile ``j`` of chunk ``n`` yields its share of ``dQ̂, dW, dK, db, dλ`` (summed by the caller)
+  and its slice of ``dU``.
 - ``ut_backward``: grid ``(B, H, N)``: ``dq, dk, dv, db, dβ, dλ`` (intra levels) of the UT part.
 
 Triton needs power-of-two tiles and matmul dimensions >= 16 (``c, d, bv``; the caller pads).
@@ -107,48 +111,86 @@ def walk_forward(qh, w, k, u, o_intra, b, lam, *, c, bv, save_states=False, num_
 
 
 @functools.partial(jax.jit, static_argnames=("c", "bv", "num_warps", "interpret"))
-def walk_backward(qh, w, k, u, b, lam, states, do, *, c, bv, num_warps=8, interpret=False):
-    """Cotangents of ``walk_forward``: ``(dqh, dw, dk) [nv,B,Tp,H,d]`` (one share per value tile),
-    ``du [B,Tp,H,dv]``, ``db [nv,B,H,Tp]``, ``dlam [nv,B,H,S,Tp]`` (the chunk levels), float32."""
+def walk_dstates(qh, w, k, u, b, lam, states, do, *, c, bv, num_warps=8, interpret=False):
+    """The reverse walk of the level cotangents (given the packed ``states``), writing what
+    each chunk's gradients need: ``dOwn [B,H,N,d,dv]`` (the cotangent of its merged block) and
+    ``dlev [B,H,S,⌊N/2⌋,d,dv]`` (those of the levels it reads, packed as ``states``), input dtype."""
     B, Tp, H, d = qh.shape
     dv = u.shape[-1]
-    N, nv = Tp // c, dv // bv
+    N = Tp // c
     lc, S = _levels(lam, c)
 
-    def kernel(qh_ref, w_ref, k_ref, u_ref, b_ref, lam_ref, s_ref, do_ref,
-               dqh_ref, dw_ref, dk_ref, du_ref, db_ref, dlam_ref):
+    def kernel(qh_ref, w_ref, k_ref, u_ref, b_ref, lam_ref, s_ref, do_ref, down_ref, dlev_ref):
         i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
 
         def body(r, dHs):
             n = N - 1 - r
             ts = pl.ds(pl.multiple_of(n * c, c), c)
-            K, bb = k_ref[i, ts, h, :], b_ref[i, h, ts]
-            Kt, gc = chunk.chunk_end(K, bb)
-            dQh, dW, dKt, dU, dgc, dlam, dHs = chunk.walk_backward(
+            Kt, gc = chunk.chunk_end(k_ref[i, ts, h, :], b_ref[i, h, ts])
+            dOwn, dH = chunk.carry_backward(dHs, n)
+            down_ref[i, h, n, :, vs] = dOwn.astype(down_ref.dtype)
+            for m in range(1, S + 1):
+                @pl.when(chunk.read_at(n, m))
+                def _(m=m):
+                    dlev_ref[i, h, m - 1, _slot(n, m), :, vs] = dH[m - 1].astype(dlev_ref.dtype)
+
+            *_, dHs = chunk.walk_backward(
                 qh_ref[i, ts, h, :], w_ref[i, ts, h, :], Kt.astype(qh.dtype), u_ref[i, ts, h, vs],
                 gc, tuple(lam_ref[i, h, lc + m, ts] for m in range(1, S + 1)),
                 do_ref[i, ts, h, vs],
-                lambda m: s_ref[i, h, m - 1, _slot(n, m), :, vs].astype(F32), dHs, n)
-            dK, db = chunk.chunk_end_backward(K, bb, dKt, dgc)
-            dqh_ref[j, i, ts, h, :] = dQh
-            dw_ref[j, i, ts, h, :] = dW
-            dk_ref[j, i, ts, h, :] = dK
-            du_ref[i, ts, h, vs] = dU
-            db_ref[j, i, h, ts] = db
-            for m, dl in enumerate(dlam):
-                dlam_ref[j, i, h, m, ts] = dl
+                lambda m: s_ref[i, h, m - 1, _slot(n, m), :, vs].astype(F32), dOwn, dH, n)
             return dHs
 
         jax.lax.fori_loop(0, N, body, tuple(jnp.zeros((d, bv), F32) for _ in range(S)))
+
+    out_shape = [jax.ShapeDtypeStruct((B, H, N, d, dv), qh.dtype),
+                 jax.ShapeDtypeStruct((B, H, S, max(N // 2, 1), d, dv), qh.dtype)]
+    return tuple(pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, dv // bv),
+                                compiler_params=compiler_params(num_warps, interpret),
+                                interpret=interpret)(qh, w, k, u, b, lam, states, do))
+
+
+@functools.partial(jax.jit, static_argnames=("c", "bv", "num_warps", "interpret"))
+def walk_grads(qh, w, k, u, b, lam, states, dOwn, dlev, do, *, c, bv, num_warps=8, interpret=False):
+    """Cotangents of ``walk_forward``, every chunk at once (grid ``(B, H, N, nv)``) from the
+    saved states and ``walk_dstates``: ``(dqh, dw, dk) [nv,B,Tp,H,d]`` (one share per value
+    tile), ``du [B,Tp,H,dv]``, ``db [nv,B,H,Tp]``, ``dlam [nv,B,H,S,Tp]`` (the chunk levels),
+    float32."""
+    B, Tp, H, d = qh.shape
+    dv = u.shape[-1]
+    N, nv = Tp // c, dv // bv
+    lc, S = _levels(lam, c)
+
+    def kernel(qh_ref, w_ref, k_ref, u_ref, b_ref, lam_ref, s_ref, down_ref, dlev_ref, do_ref,
+               dqh_ref, dw_ref, dk_ref, du_ref, db_ref, dlam_ref):
+        i, h, n, j = (pl.program_id(a) for a in range(4))
+        vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
+        ts = pl.ds(pl.multiple_of(n * c, c), c)
+        K, bb = k_ref[i, ts, h, :], b_ref[i, h, ts]
+        Kt, gc = chunk.chunk_end(K, bb)
+        dQh, dW, dKt, dU, dgc, dlam, _ = chunk.walk_backward(
+            qh_ref[i, ts, h, :], w_ref[i, ts, h, :], Kt.astype(qh.dtype), u_ref[i, ts, h, vs],
+            gc, tuple(lam_ref[i, h, lc + m, ts] for m in range(1, S + 1)), do_ref[i, ts, h, vs],
+            lambda m: s_ref[i, h, m - 1, _slot(n, m), :, vs].astype(F32),
+            down_ref[i, h, n, :, vs].astype(F32), [jnp.zeros((d, bv), F32)] * S, n,
+            dload=lambda m: dlev_ref[i, h, m - 1, _slot(n, m), :, vs].astype(F32))
+        dK, db = chunk.chunk_end_backward(K, bb, dKt, dgc)
+        dqh_ref[j, i, ts, h, :] = dQh
+        dw_ref[j, i, ts, h, :] = dW
+        dk_ref[j, i, ts, h, :] = dK
+        du_ref[i, ts, h, vs] = dU
+        db_ref[j, i, h, ts] = db
+        for m, dl in enumerate(dlam):
+            dlam_ref[j, i, h, m, ts] = dl
 
     share = jax.ShapeDtypeStruct((nv, B, Tp, H, d), F32)
     out_shape = [share, share, share, jax.ShapeDtypeStruct((B, Tp, H, dv), F32),
                  jax.ShapeDtypeStruct((nv, B, H, Tp), F32),
                  jax.ShapeDtypeStruct((nv, B, H, S, Tp), F32)]
-    return tuple(pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, nv),
+    return tuple(pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, N, nv),
                                 compiler_params=compiler_params(num_warps, interpret),
-                                interpret=interpret)(qh, w, k, u, b, lam, states, do))
+                                interpret=interpret)(qh, w, k, u, b, lam, states, dOwn, dlev, do))
 
 
 @functools.partial(jax.jit, static_argnames=("c", "num_warps", "interpret"))

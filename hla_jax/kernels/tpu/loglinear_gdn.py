@@ -8,10 +8,12 @@ the shares ``dQ̂, dW`` stay in that layout (the caller only passes them between
 Per-token vectors come as ``[B,H,N,1,c]`` blocks, the level weights as ``[B,H,N,Lp,c]``.
 
 - ``ut_forward`` / ``ut_backward``: grid ``(B, H, N)``, every step independent.
-- ``walk_forward`` / ``walk_backward``: grid ``(B, H, N)`` with the chunk axis last and sequential
-  ("arbitrary", reversed for the backward); the S float32 level states ``d×dv`` (or their
-  cotangents) persist across the chunk axis in VMEM scratch, reset at the first chunk.  The saved
-  states are one ``[S,d,dv]`` block per chunk (the levels read at that chunk are written).
+- ``walk_forward`` / ``walk_dstates``: grid ``(B, H, N)`` with the chunk axis last and
+  sequential ("arbitrary", reversed for ``walk_dstates``); the S float32 level states ``d×dv``
+  (or their cotangents) persist across the chunk axis in VMEM scratch, reset at the first chunk.
+  The saved states are one ``[S,d,dv]`` block per chunk (the levels read at that chunk are
+  written), and so are the level cotangents.
+- ``walk_grads``: grid ``(B, H, N)``, every chunk independent.
 """
 
 from __future__ import annotations
@@ -126,31 +128,66 @@ def walk_forward(qh, w, k, u, o_intra, b, lam, *, c, bv=None, save_states=False,
 
 
 @functools.partial(jax.jit, static_argnames=("c", "bv", "num_warps", "interpret"))
-def walk_backward(qh, w, k, u, b, lam, states, do, *, c, bv=None, num_warps=None,
-                  interpret=False):
-    """As ``kernels.gpu.loglinear_gdn.walk_backward`` with one value tile (``nv = 1``); ``dqh, dw``
-    in ``[1,B,H,Tp,d]``."""
+def walk_dstates(qh, w, k, u, b, lam, states, do, *, c, bv=None, num_warps=None, interpret=False):
+    """As ``kernels.gpu.loglinear_gdn.walk_dstates`` with one value tile: ``dOwn [B,H,N,d,dv]``
+    and ``dlev [B,H,N,S,d,dv]`` (every level's cotangent per chunk, like the saved states)."""
     B, H, Tp, d = qh.shape
     dv = u.shape[-1]
     N, (lc, S) = Tp // c, _levels(lam, c)
     tile, rows = specs(c, N, rev=True)
-    state = pl.BlockSpec((None, None, None, S, d, dv), lambda i, h, n: (i, h, N - 1 - n, 0, 0, 0))
+    block = lambda *r: pl.BlockSpec((None, None, None, *r), lambda i, h, n: (i, h, N - 1 - n) + (0,) * len(r))
 
-    def kernel(qh_ref, w_ref, k_ref, u_ref, b_ref, lam_ref, s_ref, do_ref,
-               dqh_ref, dw_ref, dk_ref, du_ref, db_ref, dlam_ref, dh_scr):
+    def kernel(qh_ref, w_ref, k_ref, u_ref, b_ref, lam_ref, s_ref, do_ref, down_ref, dlev_ref, dh_scr):
         @pl.when(pl.program_id(2) == 0)
         def _():
             dh_scr[...] = jnp.zeros_like(dh_scr)
 
-        K, bb, lam_n = k_ref[...], b_ref[0], lam_ref[...]
-        Kt, gc = chunk.chunk_end(K, bb)
-        dQh, dW, dKt, du_ref[...], dgc, dlam, dHs = chunk.walk_backward(
+        n, lam_n = N - 1 - pl.program_id(2), lam_ref[...]
+        Kt, gc = chunk.chunk_end(k_ref[...], b_ref[0])
+        dOwn, dH = chunk.carry_backward(tuple(dh_scr[m] for m in range(S)), n)
+        down_ref[...] = dOwn.astype(down_ref.dtype)
+        for m, dHm in enumerate(dH):
+            dlev_ref[m] = dHm.astype(dlev_ref.dtype)
+        *_, dHs = chunk.walk_backward(
             qh_ref[...], w_ref[...], Kt.astype(qh.dtype), u_ref[...], gc,
             tuple(lam_n[lc + m] for m in range(1, S + 1)), do_ref[...],
-            lambda m: s_ref[m - 1].astype(F32), tuple(dh_scr[m] for m in range(S)),
-            N - 1 - pl.program_id(2))
+            lambda m: s_ref[m - 1].astype(F32), dOwn, dH, n)
         for m, dHm in enumerate(dHs):
             dh_scr[m] = dHm
+
+    return tuple(pl.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct((B, H, N, d, dv), qh.dtype),
+                           jax.ShapeDtypeStruct((B, H, N, S, d, dv), qh.dtype)],
+        grid=(B, H, N),
+        in_specs=[tile(d), tile(d), tile(d), tile(dv), rows(1), rows(lam.shape[2]), block(S, d, dv),
+                  tile(dv)],
+        out_specs=[block(d, dv), block(S, d, dv)], scratch_shapes=[pltpu.VMEM((S, d, dv), F32)],
+        compiler_params=compiler_params(interpret, True), interpret=interpret,
+    )(qh, w, heads_first(k), u, _by_chunk(b[:, :, None], c), _by_chunk(lam, c), states,
+      heads_first(do)))
+
+
+@functools.partial(jax.jit, static_argnames=("c", "bv", "num_warps", "interpret"))
+def walk_grads(qh, w, k, u, b, lam, states, dOwn, dlev, do, *, c, bv=None, num_warps=None,
+               interpret=False):
+    """As ``kernels.gpu.loglinear_gdn.walk_grads`` with one value tile: every chunk at once, grid
+    ``(B, H, N)`` all parallel; ``dqh, dw`` in ``[1,B,H,Tp,d]``."""
+    B, H, Tp, d = qh.shape
+    dv = u.shape[-1]
+    N, (lc, S) = Tp // c, _levels(lam, c)
+    tile, rows = specs(c, N)
+    block = lambda *r: pl.BlockSpec((None, None, None, *r), lambda i, h, n: (i, h, n) + (0,) * len(r))
+
+    def kernel(qh_ref, w_ref, k_ref, u_ref, b_ref, lam_ref, s_ref, down_ref, dlev_ref, do_ref,
+               dqh_ref, dw_ref, dk_ref, du_ref, db_ref, dlam_ref):
+        K, bb, lam_n = k_ref[...], b_ref[0], lam_ref[...]
+        Kt, gc = chunk.chunk_end(K, bb)
+        dQh, dW, dKt, du_ref[...], dgc, dlam, _ = chunk.walk_backward(
+            qh_ref[...], w_ref[...], Kt.astype(qh.dtype), u_ref[...], gc,
+            tuple(lam_n[lc + m] for m in range(1, S + 1)), do_ref[...],
+            lambda m: s_ref[m - 1].astype(F32), down_ref[...].astype(F32),
+            [jnp.zeros((d, dv), F32)] * S, pl.program_id(2),
+            dload=lambda m: dlev_ref[m - 1].astype(F32))
         dK, db = chunk.chunk_end_backward(K, bb, dKt, dgc)
         dqh_ref[...], dw_ref[...], dk_ref[...] = dQh, dW, dK
         db_ref[...] = db[None, :]
@@ -162,11 +199,11 @@ def walk_backward(qh, w, k, u, b, lam, states, do, *, c, bv=None, num_warps=None
     dqh, dw, dk, du, db, dlam = pl.pallas_call(
         kernel, out_shape=[shape(d), shape(d), shape(d), shape(dv), rows_shape(1), rows_shape(S)],
         grid=(B, H, N),
-        in_specs=[tile(d), tile(d), tile(d), tile(dv), rows(1), rows(lam.shape[2]), state, tile(dv)],
+        in_specs=[tile(d), tile(d), tile(d), tile(dv), rows(1), rows(lam.shape[2]), block(S, d, dv),
+                  block(d, dv), block(S, d, dv), tile(dv)],
         out_specs=[tile(d), tile(d), tile(d), tile(dv), rows(1), rows(S)],
-        scratch_shapes=[pltpu.VMEM((S, d, dv), F32)],
-        compiler_params=compiler_params(interpret, True), interpret=interpret,
-    )(qh, w, heads_first(k), u, _by_chunk(b[:, :, None], c), _by_chunk(lam, c), states,
+        compiler_params=compiler_params(interpret, False), interpret=interpret,
+    )(qh, w, heads_first(k), u, _by_chunk(b[:, :, None], c), _by_chunk(lam, c), states, dOwn, dlev,
       heads_first(do))
     return (dqh[None], dw[None], heads_first(dk)[None], du, _from_chunks(db)[:, :, 0][None],
             _from_chunks(dlam)[None])
