@@ -56,8 +56,9 @@ def show(fig):
 # ## MQAR
 #
 # Accuracy per query at the best learning rate, next to the log-linear paper's numbers
-# (see `experiments/mqar.py` for how those are read). `mqar_cpu_reduced` is a small CPU sweep
-# checking the pipeline, not the paper's setup.
+# (see `experiments/mqar.py` for how those are read). `mqar_h200` is the H200 sweep at 2000
+# steps (24 of 27 cells); `mqar_h200_hla_decay` its hla2 variant with a learned decay;
+# `mqar_cpu_*` and `mqar_h200_probe` are small pipeline checks, not the paper's setup.
 
 # %%
 for path, res in load("mqar_*.json", "python experiments/mqar.py").items():
