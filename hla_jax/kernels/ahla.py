@@ -26,10 +26,7 @@ def ahla_pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, in
                 parallel_forward=False):
     """Asymmetric second-order HLA via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
 
-    ``chunk_size`` (a power of two >= 16), ``block_v``/``block_v_bwd`` (value tiles, powers of two
-    >= 16), ``parallel_forward`` (``states`` walk + chunk-parallel outputs), ``num_warps``
-    (Triton) and ``platform`` ("gpu" | "tpu"; default from ``jax.default_backend()``) tune the
-    kernels; ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.
+    The tuning arguments are those of ``hla2_pallas`` (defaults: the fastest on the H200).
     """
     return pallas_operator("ahla", q, k, v, g, normalize=normalize, eps=eps,
                            chunk_size=chunk_size, interpret=interpret, block_v=block_v,
