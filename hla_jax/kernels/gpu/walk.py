@@ -77,14 +77,9 @@ def _write(layout, refs, xs, i, h, n, vs, j, shared):
                 ref[i, h, n] = x.astype(ref.dtype)
 
 
-def _walk_call(kernel, out_shape, B, H, nv, num_warps, interpret, *args):
-    return pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, nv),
-                          compiler_params=compiler_params(num_warps, interpret),
-                          interpret=interpret)(*args)
-
-
-def _chunk_call(kernel, out_shape, B, H, N, nv, num_warps, interpret, *args):
-    return pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, N, nv),
+def _call(kernel, out_shape, grid, num_warps, interpret, *args):
+    """``pallas_call`` on ``grid``: ``(B, H, nv)`` for a walk, ``(B, H, N, nv)`` chunk-parallel."""
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid,
                           compiler_params=compiler_params(num_warps, interpret),
                           interpret=interpret)(*args)
 
@@ -108,8 +103,8 @@ def forward(chunk_forward, layout, q, k, v, b, *, c, bv, num_warps=8, interpret=
 
         jax.lax.fori_loop(0, Tp // c, body, _zeros(layout, d, bv))
 
-    return _walk_call(kernel, jax.ShapeDtypeStruct((B, Tp, H, dv), F32), B, H, dv // bv,
-                      num_warps, interpret, q, k, v, b)
+    return _call(kernel, jax.ShapeDtypeStruct((B, Tp, H, dv), F32), (B, H, dv // bv), num_warps,
+                 interpret, q, k, v, b)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
@@ -131,8 +126,8 @@ def states(chunk_forward, layout, q, k, v, b, *, c, bv, num_warps=8, interpret=F
 
         jax.lax.fori_loop(0, Tp // c, body, _zeros(layout, d, bv))
 
-    return tuple(_walk_call(kernel, _state_shapes(layout, B, H, Tp // c, d, dv, q.dtype), B, H,
-                            dv // bv, num_warps, interpret, q, k, v, b))
+    return tuple(_call(kernel, _state_shapes(layout, B, H, Tp // c, d, dv, q.dtype),
+                       (B, H, dv // bv), num_warps, interpret, q, k, v, b))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
@@ -162,8 +157,8 @@ def dstates(chunk_backward, layout, q, k, v, b, *saved_do, c, bv, num_warps=8, i
 
         jax.lax.fori_loop(0, N, body, _zeros(layout, d, bv))
 
-    return tuple(_walk_call(kernel, _state_shapes(layout, B, H, N, d, dv, q.dtype, nv), B, H, nv,
-                            num_warps, interpret, q, k, v, b, *saved_do))
+    return tuple(_call(kernel, _state_shapes(layout, B, H, N, d, dv, q.dtype, nv), (B, H, nv),
+                       num_warps, interpret, q, k, v, b, *saved_do))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
@@ -181,8 +176,8 @@ def outputs(chunk_forward, layout, q, k, v, b, *saved, c, bv, num_warps=8, inter
             q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs], b_ref[i, h, ts],
             *_read(layout, state_refs, i, h, n, vs))
 
-    return _chunk_call(kernel, jax.ShapeDtypeStruct((B, Tp, H, dv), F32), B, H, Tp // c, dv // bv,
-                       num_warps, interpret, q, k, v, b, *saved)
+    return _call(kernel, jax.ShapeDtypeStruct((B, Tp, H, dv), F32), (B, H, Tp // c, dv // bv),
+                 num_warps, interpret, q, k, v, b, *saved)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
@@ -213,5 +208,5 @@ def grads(chunk_backward, layout, q, k, v, b, *saved_do_dsaved, c, bv, num_warps
                  jax.ShapeDtypeStruct((nv, B, Tp, H, d), F32),
                  jax.ShapeDtypeStruct((B, Tp, H, dv), F32),
                  jax.ShapeDtypeStruct((nv, B, H, Tp), F32)]
-    return tuple(_chunk_call(kernel, out_shape, B, H, Tp // c, nv, num_warps, interpret,
-                             q, k, v, b, *saved_do_dsaved))
+    return tuple(_call(kernel, out_shape, (B, H, Tp // c, nv), num_warps, interpret,
+                       q, k, v, b, *saved_do_dsaved))

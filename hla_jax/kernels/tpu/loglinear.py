@@ -58,6 +58,16 @@ def _slots(d, dv, N, P, n_of):
             for j in range(P)]
 
 
+def _operands(q, k, v, b, lam, s, c, P, tile, lams, chunk):
+    """Block specs and arrays of the inputs every kernel reads: ``q, k, v`` (heads first), the
+    gate and ``s`` per chunk, ``lam``."""
+    B, Tp, H, d = q.shape
+    N = Tp // c
+    return ([tile(d), tile(d), tile(v.shape[-1]), chunk(1, c), lams, chunk(1, P, True)],
+            [heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, N, 1, c), lam,
+             s.reshape(B, H, N, 1, P)])
+
+
 def _walk(q, k, v, b, lam, s, *, c, outputs, interpret):
     """The forward walk writing ``O`` (``outputs``) or every chunk's merged state ``W``."""
     B, Tp, H, d = q.shape
@@ -65,6 +75,7 @@ def _walk(q, k, v, b, lam, s, *, c, outputs, interpret):
     N, Ln = Tp // c, lam.shape[2]
     P = num_slots(Ln, c)
     tile, lams, chunk, _ = specs(c, N, Ln, False)
+    specs_in, args = _operands(q, k, v, b, lam, s, c, P, tile, lams, chunk)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, lam_ref, s_ref, out_ref, w_scr):
         n = pl.program_id(2)
@@ -87,11 +98,10 @@ def _walk(q, k, v, b, lam, s, *, c, outputs, interpret):
              jax.ShapeDtypeStruct((B, H, N, d, dv), q.dtype))
     return pl.pallas_call(
         kernel, out_shape=shape, grid=(B, H, N),
-        in_specs=[tile(d), tile(d), tile(dv), chunk(1, c), lams, chunk(1, P, True)],
-        out_specs=tile(dv) if outputs else chunk(d, dv), scratch_shapes=[pltpu.VMEM((P, d, dv), F32)],
+        in_specs=specs_in, out_specs=tile(dv) if outputs else chunk(d, dv),
+        scratch_shapes=[pltpu.VMEM((P, d, dv), F32)],
         compiler_params=compiler_params(interpret), interpret=interpret,
-    )(heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, N, 1, c), lam,
-      s.reshape(B, H, N, 1, P))
+    )(*args)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
@@ -115,6 +125,7 @@ def dstates(q, k, v, b, lam, s, W, do, *, c, bv=None, num_warps=None, interpret=
     N, Ln = Tp // c, lam.shape[2]
     P = num_slots(Ln, c)
     tile, lams, chunk, n_of = specs(c, N, Ln, True)
+    specs_in, args = _operands(q, k, v, b, lam, s, c, P, tile, lams, chunk)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, lam_ref, s_ref, *rest):
         w_refs = rest[:P]
@@ -143,13 +154,11 @@ def dstates(q, k, v, b, lam, s, W, do, *, c, bv=None, num_warps=None, interpret=
     dM, carried = pl.pallas_call(
         kernel, out_shape=[jax.ShapeDtypeStruct((B, H, N, d, dv), q.dtype),
                            jax.ShapeDtypeStruct((B, H, N, 1, c), F32)], grid=(B, H, N),
-        in_specs=[tile(d), tile(d), tile(dv), chunk(1, c), lams, chunk(1, P, True),
-                  *_slots(d, dv, N, P, n_of), tile(dv)],
+        in_specs=[*specs_in, *_slots(d, dv, N, P, n_of), tile(dv)],
         out_specs=[chunk(d, dv), chunk(1, c)],
         scratch_shapes=[pltpu.VMEM((P, d, dv), F32), pltpu.SMEM((P,), F32)],
         compiler_params=compiler_params(interpret), interpret=interpret,
-    )(heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, N, 1, c), lam,
-      s.reshape(B, H, N, 1, P), *([W] * P), heads_first(do))
+    )(*args, *([W] * P), heads_first(do))
     return dM, carried.reshape(1, B, H, Tp)
 
 
@@ -162,6 +171,7 @@ def grads(q, k, v, b, lam, s, W, do, dM, *, c, bv=None, num_warps=None, interpre
     N, Ln = Tp // c, lam.shape[2]
     P = num_slots(Ln, c)
     tile, lams, chunk, n_of = specs(c, N, Ln, False)
+    specs_in, args = _operands(q, k, v, b, lam, s, c, P, tile, lams, chunk)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, lam_ref, s_ref, *rest):
         w_refs = rest[:P]
@@ -181,11 +191,9 @@ def grads(q, k, v, b, lam, s, W, do, dM, *, c, bv=None, num_warps=None, interpre
                  jax.ShapeDtypeStruct((B, H, Ln, Tp), F32)]
     dq, dk, dvv, db, dlam = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(B, H, N),
-        in_specs=[tile(d), tile(d), tile(dv), chunk(1, c), lams, chunk(1, P, True),
-                  *_slots(d, dv, N, P, n_of), tile(dv), chunk(d, dv)],
+        in_specs=[*specs_in, *_slots(d, dv, N, P, n_of), tile(dv), chunk(d, dv)],
         out_specs=[tile(d), tile(d), tile(dv), chunk(1, c), lams],
         compiler_params=compiler_params(interpret, sequential=False), interpret=interpret,
-    )(heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, N, 1, c), lam,
-      s.reshape(B, H, N, 1, P), *([W] * P), heads_first(do), dM)
+    )(*args, *([W] * P), heads_first(do), dM)
     return (heads_first(dq)[None], heads_first(dk)[None], heads_first(dvv),
             db.reshape(1, B, H, Tp), dlam[None])
