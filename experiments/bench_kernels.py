@@ -20,6 +20,7 @@ matmul timed in the same run.  Writes ``kernels_bench.json`` and ``kernels_bench
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -237,17 +238,18 @@ def main(argv=None):
     p.add_argument("--skip", default="", help="comma-separated methods to leave out")
     p.add_argument("--methods", default="", help="comma-separated methods to run (default: all)")
     p.add_argument("--budget", type=float, default=0, help="seconds; 0 = no limit")
-    p.add_argument("--block_v", type=int, default=64)
-    p.add_argument("--block_v_bwd", type=int, default=64)
-    p.add_argument("--num_warps", type=int, default=8)
-    p.add_argument("--num_warps_bwd", type=int, default=8)
-    p.add_argument("--parallel_forward", action="store_true")
+    p.add_argument("--block_v", type=int, help="hla2_pallas setting (default: the library's)")
+    p.add_argument("--block_v_bwd", type=int, help="hla2_pallas setting (default: the library's)")
+    p.add_argument("--num_warps", type=int, help="hla2_pallas setting (default: the library's)")
+    p.add_argument("--num_warps_bwd", type=int, help="hla2_pallas setting (default: the library's)")
+    p.add_argument("--parallel_forward", type=int, choices=(0, 1),
+                   help="hla2_pallas setting (default: the library's)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args(argv)
     shape = Shape(*(int(x) for x in a.shape.split(",")))
-    kw = dict(block_v=a.block_v, block_v_bwd=a.block_v_bwd, num_warps=a.num_warps,
-              num_warps_bwd=a.num_warps_bwd, parallel_forward=a.parallel_forward)
-    kws = {"hla2": kw}
+    defaults = {n: x.default for n, x in inspect.signature(kernels.hla2_pallas).parameters.items()}
+    kws = {"hla2": {n: defaults[n] if getattr(a, n) is None else type(defaults[n])(getattr(a, n))
+                    for n in _HLA_KEYS}}
     if a.tune:
         kws |= tune(a.tune, a.tokens, a.repeats, a.tune_families.split(","), shape)
     phase_ms = {f: phases(f, kws.get(f, {}), a.tune or 8192, a.tokens, a.repeats, shape)

@@ -1,6 +1,6 @@
 """Every Pallas kernel vs the quadratic reference on the GPU: outputs and all gradients.
 
-    python experiments/check_kernels_gpu.py [--kernels hla2,ahla] [--cases 0,3] [--out DIR]
+    python experiments/check_kernels_gpu.py [--kernels hla2,ahla] [--cases 0,3] [--f32_tile 32] [--out DIR]
 
 Kernels: ``hla2``, ``ahla``, ``hla3`` (causal), ``loglinear_mamba2``, ``loglinear_gated_deltanet``
 (``hla_jax.kernels.<name>_pallas``, compiled, not interpreted).  Gradients of ``sum(o·w)`` with
@@ -94,11 +94,12 @@ def main():
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--kernels", default="", help="comma-separated kernel names (default: all)")
     p.add_argument("--cases", default="", help="comma-separated case indices (default: all)")
-    p.add_argument("--no_f32_guard", action="store_true",
-                   help="lift the float32 head-dim guard of the HLA kernels (see whether they compile)")
+    p.add_argument("--f32_tile", type=int, default=-1,
+                   help="cap of the HLA chunk/value tiles for float32 at d >= 128 (wrap.F32_GPU_TILE; "
+                        "0: no cap, -1: the library's)")
     a = p.parse_args()
-    if a.no_f32_guard:
-        wrap.F32_GPU_MAX_D = 1 << 30
+    if a.f32_tile >= 0:
+        wrap.F32_GPU_TILE = a.f32_tile or 1 << 30
     picked = [CASES[int(i)] for i in a.cases.split(",")] if a.cases else CASES
     if a.kernels:
         picked = [c for c in picked if c[0] in a.kernels.split(",")]
@@ -119,13 +120,19 @@ def main():
                      " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                               for k, v in errs.items()) + f" ({time.perf_counter() - t0:.0f} s)")
         print(lines[-1], flush=True)
-    info = f"device={jax.devices()[0].device_kind} jax={jax.__version__} all_passed={ok}"
-    print(info)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "kernels_check_gpu.json"), "w") as f:
+        write(a.out, rows, lines, ok)  # after every case: a run cut short keeps what it checked
+    print(write(a.out, rows, lines, ok))
+
+
+def write(out, rows, lines, ok) -> str:
+    info = (f"device={jax.devices()[0].device_kind} jax={jax.__version__} "
+            f"f32_tile={wrap.F32_GPU_TILE} all_passed={ok}")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "kernels_check_gpu.json"), "w") as f:
         json.dump(dict(info=info, cases=rows), f, indent=1)
-    with open(os.path.join(a.out, "kernels_check_gpu.txt"), "w") as f:
+    with open(os.path.join(out, "kernels_check_gpu.txt"), "w") as f:
         f.write("\n".join(lines + [info]) + "\n")
+    return info
 
 
 if __name__ == "__main__":

@@ -130,6 +130,24 @@ def test_parallel_forward_and_own_backward_tile(rng, family, platform):
                    oracle(family, False), args)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_backward_in_segments_from_checkpoints(rng, family, platform):
+    """``checkpoint_every``: the backward recomputes the states segment by segment from float32
+    checkpoints and carries the state cotangent between segments: the gradients of the
+    reference, and those of the one-segment backward (T=90 in 6 chunks: 3 segments of 2, and 2
+    of 3 after padding 5 -> 6 chunks at T=70)."""
+    for T, every in ((90, 2), (70, 4)):
+        args = inputs(rng, 1, T, 2, 16, 32, "token", False)
+        kw = dict(chunk_size=16, block_v=16, block_v_bwd=32, platform=platform)
+        w = jnp.asarray(rng.normal(size=args[2].shape), jnp.float32)
+        whole = grads_of(kernel(family, checkpoint_every=None, **kw), args, (0, 1, 2, 3), w)
+        assert_matches(rng, kernel(family, checkpoint_every=every, **kw), oracle(family, False), args)
+        for name, a, b in zip("qkvg", grads_of(kernel(family, checkpoint_every=every, **kw), args,
+                                               (0, 1, 2, 3), w), whole):
+            assert_close(a, b, 1e-5, "d" + name)
+
+
 @pytest.mark.parametrize("family", ["hla2", "ahla"])
 def test_state_cotangents_do_not_depend_on_the_states(rng, family):
     """HLA2 and AHLA are linear in their states, so ``dstates`` may run without them; HLA3's
@@ -143,7 +161,7 @@ def test_state_cotangents_do_not_depend_on_the_states(rng, family):
     mod = wrap.kernels(wrap.Config(family, 16, 16, 16, interpret=True))
     kw = dict(c=16, bv=16, interpret=True)
     saved = mod.states(q, k, v, b, **kw)
-    for a, b_ in zip(mod.dstates(q, k, v, b, *saved, do, **kw), mod.dstates(q, k, v, b, do, **kw)):
+    for a, b_ in zip(mod.dstates(q, k, v, b, *saved, do, **kw)[0], mod.dstates(q, k, v, b, do, **kw)[0]):
         assert_close(a, b_, 1e-6, "dstates")
 
 
@@ -160,16 +178,16 @@ def test_kernel_tpu_path_interpret(rng, family, normalize):
 @pytest.mark.parametrize("platform,c,parallel", [("cuda", 64, False), ("cuda", 64, True), ("tpu", 128, True)])
 def test_kernel_lowers_for_hardware(family, platform, c, parallel):
     """Forward and backward pass the real Triton (H200) / Mosaic TPU lowering: no device needed."""
-    B, T, H, d, dv = 1, 2 * c, 2, 128, 128
+    B, T, H, d, dv = 1, 4 * c, 2, 128, 128
     x = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     fn = getattr(kernels, f"{family}_pallas")
     loss = lambda q, k, v, g: fn(q, k, v, g, normalize=True, chunk_size=c, interpret=False,
                                  platform="tpu" if platform == "tpu" else "gpu",
-                                 parallel_forward=parallel).sum()
+                                 parallel_forward=parallel, checkpoint_every=2).sum()
     text = lower_for(platform, jax.grad(loss, argnums=(0, 1, 2, 3)), x(B, T, H, d), x(B, T, H, d),
                      x(B, T, H, dv), jax.ShapeDtypeStruct((B, T, H), jnp.float32))
-    # forward (or states + outputs), states, dstates, grads; ×2 (the denominator)
-    assert text.count(KERNEL_CALL[platform]) >= 8
+    # forward (or states + outputs), checkpoints, states, dstates, grads; ×2 (the denominator)
+    assert text.count(KERNEL_CALL[platform]) >= 10
 
 
 @pytest.mark.parametrize("name,extra", [("hla2", ()), ("ahla", ()), ("hla3", ()),
@@ -221,10 +239,21 @@ def test_auto_prefers_the_kernel_only_for_bf16_on_a_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_float32_at_head_dim_128_is_refused_on_gpu(rng, family):
-    """float32 at d=128 does not fit Triton's shared memory on an H200: a clear error up front,
-    not a failed compile minutes later."""
-    q, k, v = make_qkv(rng, 1, 16, 1, 128, 16)
+def test_float32_at_head_dim_128_gets_smaller_tiles_on_gpu(rng, family, monkeypatch):
+    """float32 at d=128 does not fit Triton's shared memory at the bf16 tiles: chunk and value
+    tiles are capped at ``wrap.F32_GPU_TILE`` (bf16 and d=64 keep theirs); with no cap, a clear
+    error up front, not a failed compile minutes later."""
+    from hla_jax.kernels import wrap
+
+    seen = []
+    monkeypatch.setattr(wrap, "chunked_core", lambda q, k, v, b, cfg: seen.append(cfg) or v)
     fn = getattr(kernels, f"{family}_pallas")
+    for d, dtype in ((128, jnp.float32), (128, jnp.bfloat16), (64, jnp.float32)):
+        q, k, v = (x.astype(dtype) for x in make_qkv(rng, 1, 100, 1, d, 128))
+        fn(q, k, v, interpret=False, platform="gpu", block_v=64, block_v_bwd=128)
+    capped = wrap.F32_GPU_TILE
+    assert (seen[0].c, seen[0].bv_fwd, seen[0].bv_bwd) == (min(64, capped),) * 2 + (min(128, capped),)
+    assert [(x.c, x.bv_fwd, x.bv_bwd) for x in seen[1:]] == [(64, 64, 128)] * 2
+    monkeypatch.setattr(wrap, "F32_GPU_TILE", None)
     with pytest.raises(ValueError, match="bf16"):
-        fn(q, k, v, interpret=False, platform="gpu")
+        fn(*make_qkv(rng, 1, 16, 1, 128, 16), interpret=False, platform="gpu")

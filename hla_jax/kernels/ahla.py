@@ -18,12 +18,12 @@ available.
 
 from __future__ import annotations
 
-from hla_jax.kernels.wrap import pallas_operator
+from hla_jax.kernels.wrap import CHECKPOINT_EVERY, pallas_operator
 
 
 def ahla_pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, interpret=None,
                 block_v=64, block_v_bwd=64, num_warps=8, num_warps_bwd=None, platform=None,
-                parallel_forward=False):
+                parallel_forward=False, checkpoint_every=CHECKPOINT_EVERY):
     """Asymmetric second-order HLA via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
 
     The tuning arguments are those of ``hla2_pallas`` (defaults: the fastest on the H200).
@@ -32,4 +32,5 @@ def ahla_pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, in
                            chunk_size=chunk_size, interpret=interpret, block_v=block_v,
                            block_v_bwd=block_v_bwd, num_warps=num_warps,
                            num_warps_bwd=num_warps_bwd, platform=platform,
-                           parallel_forward=parallel_forward)
+                           parallel_forward=parallel_forward,
+                           checkpoint_every=checkpoint_every)

@@ -29,12 +29,12 @@ tile, ``T`` to a multiple of ``chunk_size`` (a power of two >= 16).
 
 from __future__ import annotations
 
-from hla_jax.kernels.wrap import pallas_operator
+from hla_jax.kernels.wrap import CHECKPOINT_EVERY, pallas_operator
 
 
 def hla2_pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, interpret=None,
                 block_v=64, block_v_bwd=128, num_warps=8, num_warps_bwd=None, platform=None,
-                parallel_forward=True):
+                parallel_forward=True, checkpoint_every=CHECKPOINT_EVERY):
     """Second-order masked HLA via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
 
     ``chunk_size`` (a power of two >= 16), ``block_v``/``block_v_bwd`` (value tiles, powers of two
@@ -46,4 +46,5 @@ def hla2_pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, in
                            chunk_size=chunk_size, interpret=interpret, block_v=block_v,
                            block_v_bwd=block_v_bwd, num_warps=num_warps,
                            num_warps_bwd=num_warps_bwd, platform=platform,
-                           parallel_forward=parallel_forward)
+                           parallel_forward=parallel_forward,
+                           checkpoint_every=checkpoint_every)

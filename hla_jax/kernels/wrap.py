@@ -38,13 +38,18 @@ from hla_jax.kernels.gpu.walk import DD, DV
 from hla_jax.ops.common import check_gate, check_qkv, clamp_signed
 
 LOG_DECAY_FLOOR = -30.0
-F32_GPU_MAX_D = 128  # float32 inputs from this (padded) head dim on exceed Triton's shared memory
+CHECKPOINT_EVERY = 128  # chunks per backward segment: per-chunk states of 8192 tokens at c = 64
+# float32 inputs from this (padded) head dim on exceed Triton's shared memory at the bf16 tiles:
+# chunk and value tiles are capped at F32_GPU_TILE (None: refused)
+F32_GPU_MAX_D = 128
+F32_GPU_TILE = 32
 
 
 class Config(NamedTuple):
     """Static kernel settings: family (kernel module name), chunk, value tiles and warps of
     forward and backward, interpret mode, platform ("gpu" | "tpu"), and whether the forward is
-    the ``states`` walk + chunk-parallel ``outputs`` instead of one walk."""
+    the ``states`` walk + chunk-parallel ``outputs`` instead of one walk; ``checkpoint_every``:
+    the backward's segment in chunks (None: the whole sequence is one segment)."""
     family: str
     c: int
     bv_fwd: int
@@ -54,6 +59,7 @@ class Config(NamedTuple):
     interpret: bool = False
     platform: str = "gpu"
     parallel_forward: bool = False
+    checkpoint_every: int | None = None
 
 
 LAYOUTS = {"hla2": (DD, DV), "ahla": (DV, DV), "hla3": (DD, DV, DV)}  # (S, U), (P, E), (S, P, F)
@@ -99,13 +105,35 @@ def _core_bwd(cfg, res, do):
     q, k, v, b = res
     mod = kernels(cfg)
     kw = dict(c=cfg.c, interpret=cfg.interpret)
-    saved = mod.states(q, k, v, b, bv=cfg.bv_fwd, num_warps=cfg.warps_fwd, **kw)
+    fwd_kw = dict(kw, bv=cfg.bv_fwd, num_warps=cfg.warps_fwd)
+    bwd_kw = dict(kw, bv=cfg.bv_bwd, num_warps=cfg.warps_bwd)
     do = do.astype(q.dtype)
-    kw.update(bv=cfg.bv_bwd, num_warps=cfg.warps_bwd)
-    dsaved = mod.dstates(q, k, v, b, *(saved if cfg.family in BILINEAR else ()), do, **kw)
-    dq, dk, dv, db = mod.grads(q, k, v, b, *saved, do, *dsaved, **kw)
-    return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv.astype(v.dtype),
-            db.sum(0))
+    Tp = q.shape[1]
+    G = min(cfg.checkpoint_every or Tp // cfg.c, Tp // cfg.c)
+    L, n_seg = G * cfg.c, Tp // (G * cfg.c)
+    ckpts = mod.states(q, k, v, b, every=G, **fwd_kw) if n_seg > 1 else ()
+
+    def segment(s, dinit):
+        """Segment ``s`` (chunks ``[sG, (s+1)G)``): its states from checkpoint ``s``, their
+        cotangents from ``dinit`` (the next segment's), its input cotangents."""
+        qs, ks, vs, dos = (jax.lax.dynamic_slice_in_dim(x, s * L, L, 1) for x in (q, k, v, do))
+        bs = jax.lax.dynamic_slice_in_dim(b, s * L, L, 2)
+        init = [jax.lax.dynamic_slice_in_dim(x, s, 1, 2) for x in ckpts] or None
+        saved = mod.states(qs, ks, vs, bs, init=init, **fwd_kw)
+        dsaved, dfirst = mod.dstates(qs, ks, vs, bs, *(saved if cfg.family in BILINEAR else ()),
+                                     dos, init=dinit, **bwd_kw)
+        dq, dk, dv, db = mod.grads(qs, ks, vs, bs, *saved, dos, *dsaved, **bwd_kw)
+        return dfirst, (dq.sum(0), dk.sum(0), dv, db.sum(0))
+
+    carry, last = segment(n_seg - 1, None)
+    if n_seg > 1:  # the other segments in reverse, carrying the state cotangent back
+        _, rest = jax.lax.scan(lambda dinit, s: segment(s, dinit), carry, jnp.arange(n_seg - 1),
+                               reverse=True)
+        last = [jnp.concatenate([r, x[None]]) for r, x in zip(rest, last)]
+        last = [jnp.moveaxis(x, 0, a).reshape(x.shape[1:a + 1] + (-1,) + x.shape[a + 2:])
+                for x, a in zip(last, (1, 1, 1, 2))]
+    dq, dk, dv, db = last
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db
 
 
 chunked_core.defvjp(_core_fwd, _core_bwd)
@@ -161,26 +189,46 @@ def backend_module(platform: str, name: str):
     return importlib.import_module(f"hla_jax.kernels.{'tpu' if platform == 'tpu' else 'gpu'}.{name}")
 
 
+def segments(Tp: int, c: int, checkpoint_every: int | None) -> tuple[int, int | None]:
+    """``(Tp', G)``: the backward's segment of ``G`` chunks (None: one segment) for at most
+    ``checkpoint_every`` chunks per segment, in equal segments, and ``Tp`` padded to them."""
+    N = Tp // c
+    if checkpoint_every is None or N <= checkpoint_every:
+        return Tp, None
+    n_seg = -(-N // checkpoint_every)
+    G = -(-N // n_seg)
+    return n_seg * G * c, G
+
+
 def pallas_operator(family: str, q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64,
                     interpret=None, block_v=64, block_v_bwd=None, num_warps=8, num_warps_bwd=None,
-                    platform=None, parallel_forward=False):
+                    platform=None, parallel_forward=False, checkpoint_every=CHECKPOINT_EVERY):
     """``family``'s operator via its Pallas kernels, ``[B,T,H,dv]`` float32 (the arguments are
     those of ``hla2_pallas``; inputs other than all-bf16 run in float32)."""
     name = f"{family}_pallas"
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name)
-    c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, chunk_size=chunk_size,
-                                                block_v=block_v, interpret=interpret,
-                                                platform=platform, block_v_bwd=block_v_bwd)
+    tiles = dict(chunk_size=chunk_size, block_v=block_v, block_v_bwd=block_v_bwd or block_v)
+    c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, interpret=interpret,
+                                                platform=platform, **tiles)
     if platform == "gpu" and not interpret and dt == jnp.float32 and dp >= F32_GPU_MAX_D:
-        raise ValueError(
-            f"{name}: float32 q, k, v with head dim {d} (padded to {dp}) need more GPU shared "
-            f"memory than Triton has (hla2 and ahla at d=128 failed to compile on an H200); pass "
-            f"bf16 inputs (float32 state either way) or use the operator's impl='chunked'")
+        if F32_GPU_TILE is None:
+            raise ValueError(
+                f"{name}: float32 q, k, v with head dim {d} (padded to {dp}) need more GPU shared "
+                f"memory than Triton has; pass bf16 inputs (float32 state either way) or use the "
+                f"operator's impl='chunked'")
+        tiles = {key: min(x, F32_GPU_TILE) for key, x in tiles.items()}
+        c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, interpret=interpret,
+                                                    platform=platform, **tiles)
+        block_v, block_v_bwd = tiles["block_v"], tiles["block_v_bwd"]
+    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+        raise ValueError(f"{name}: checkpoint_every must be a positive int (chunks) or None, got "
+                         f"{checkpoint_every!r}")
+    Tp, G = segments(Tp, c, checkpoint_every)
     bv, bvb = (min(x, pow2_at_least(max(dv, 16))) for x in (block_v, block_v_bwd or block_v))
     dvp = -(-dv // max(bv, bvb)) * max(bv, bvb)
     cfg = Config(family, c, bv, bvb, num_warps, num_warps_bwd or num_warps, interpret, platform,
-                 parallel_forward)
+                 parallel_forward, G)
     qp, kp = (pad(x.astype(dt), Tp, dp) for x in (q, k))
     if g is None:  # a constant, not a cumsum of zeros (XLA's GPU compiler folds those slowly)
         b = jnp.zeros((B, H, Tp), jnp.float32)

@@ -107,42 +107,60 @@ def forward(chunk_forward, layout, q, k, v, b, *, c, bv, num_warps=8, interpret=
                  interpret, q, k, v, b)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
-def states(chunk_forward, layout, q, k, v, b, *, c, bv, num_warps=8, interpret=False):
-    """Every chunk's incoming states (``DD [B,H,N,d,d]``, ``DV [B,H,N,d,dv]``, input dtype)."""
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC + ("every",))
+def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, c, bv, num_warps=8,
+           interpret=False):
+    """The incoming states of every ``every``-th chunk (``DD [B,H,⌈N/every⌉,d,d]``, written by
+    value tile 0, ``DV [B,H,⌈N/every⌉,d,dv]``), in the input dtype, without ``O``; the walk
+    starts from ``init`` (``DD [B,H,1,d,d]``, ``DV [B,H,1,d,dv]``, float32; zeros if None)."""
     B, Tp, H, d = q.shape
-    dv = v.shape[-1]
+    dv, N = v.shape[-1], Tp // c
+    init = tuple(init or ())
 
-    def kernel(q_ref, k_ref, v_ref, b_ref, *state_refs):
+    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
+        init_refs, state_refs = refs[:len(init)], refs[len(init):]
         i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
 
         def body(n, carry):
             ts = pl.ds(pl.multiple_of(n * c, c), c)
-            _write(layout, state_refs, carry, i, h, n, vs, j, shared=True)
+            if every == 1:
+                _write(layout, state_refs, carry, i, h, n, vs, j, shared=True)
+            else:
+                @pl.when(jax.lax.rem(n, every) == 0)  # lax: jnp's % and // lower to mixed types
+                def _():
+                    _write(layout, state_refs, carry, i, h, jax.lax.div(n, every), vs, j, shared=True)
             _, *carry = chunk_forward(q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs],
                                       b_ref[i, h, ts], *carry)
             return tuple(carry)
 
-        jax.lax.fori_loop(0, Tp // c, body, _zeros(layout, d, bv))
+        carry = (tuple(x.astype(F32) for x in _read(layout, init_refs, i, h, 0, vs)) if init
+                 else _zeros(layout, d, bv))
+        jax.lax.fori_loop(0, N, body, carry)
 
-    return tuple(_call(kernel, _state_shapes(layout, B, H, Tp // c, d, dv, q.dtype),
-                       (B, H, dv // bv), num_warps, interpret, q, k, v, b))
+    return tuple(_call(kernel, _state_shapes(layout, B, H, -(-N // every), d, dv, q.dtype),
+                       (B, H, dv // bv), num_warps, interpret, q, k, v, b, *init))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
-def dstates(chunk_backward, layout, q, k, v, b, *saved_do, c, bv, num_warps=8, interpret=False):
+def dstates(chunk_backward, layout, q, k, v, b, *saved_do, init=None, c, bv, num_warps=8,
+            interpret=False):
     """Cotangents of every chunk's outgoing states given ``do [B,Tp,H,dv]`` (the last positional
     argument) and, before it, every chunk's incoming states (``states``) when the family's state
     cotangents depend on them (hla3's; hla2's and ahla's do not: pass none, zeros stand in).
-    Returns ``DD``: one share per value tile ``[nv,B,H,N,d,d]``; ``DV [B,H,N,d,dv]``; input
-    dtype.  ``chunk_backward(Q, K, V, bb, *states, dO, *dstates) -> (dQ, dK, dV, db, *dstates)``."""
+    The reverse walk starts from ``init``, the cotangent of the last chunk's outgoing states
+    (float32, ``DD [nv,B,H,1,d,d]``, ``DV [B,H,1,d,dv]``; zeros if None).  Returns
+    ``(per_chunk, first)``: ``per_chunk`` in the input dtype, ``DD`` one share per value tile
+    ``[nv,B,H,N,d,d]``, ``DV [B,H,N,d,dv]``; ``first``, the cotangent of the first chunk's
+    incoming states, shaped as ``init`` (float32).
+    ``chunk_backward(Q, K, V, bb, *states, dO, *dstates) -> (dQ, dK, dV, db, *dstates)``."""
     B, Tp, H, d = q.shape
     dv = v.shape[-1]
-    N, nv, L = Tp // c, dv // bv, len(saved_do) - 1
+    N, nv, L, init = Tp // c, dv // bv, len(saved_do) - 1, tuple(init or ())
 
     def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        state_refs, do_ref, dstate_refs = refs[:L], refs[L], refs[L + 1:]
+        state_refs, do_ref, init_refs = refs[:L], refs[L], refs[L + 1:L + 1 + len(init)]
+        dstate_refs, first_refs = refs[-2 * len(layout):-len(layout)], refs[-len(layout):]
         i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
 
@@ -155,10 +173,14 @@ def dstates(chunk_backward, layout, q, k, v, b, *saved_do, c, bv, num_warps=8, i
                                  b_ref[i, h, ts], *saved, do_ref[i, ts, h, vs], *carry)
             return tuple(out[4:])
 
-        jax.lax.fori_loop(0, N, body, _zeros(layout, d, bv))
+        carry = (tuple(x.astype(F32) for x in _read(layout, init_refs, i, h, 0, vs, j)) if init
+                 else _zeros(layout, d, bv))
+        _write(layout, first_refs, jax.lax.fori_loop(0, N, body, carry), i, h, 0, vs, j, shared=False)
 
-    return tuple(_call(kernel, _state_shapes(layout, B, H, N, d, dv, q.dtype, nv), (B, H, nv),
-                       num_warps, interpret, q, k, v, b, *saved_do))
+    out = _call(kernel, _state_shapes(layout, B, H, N, d, dv, q.dtype, nv)
+                + _state_shapes(layout, B, H, 1, d, dv, F32, nv), (B, H, nv), num_warps, interpret,
+                q, k, v, b, *saved_do, *init)
+    return tuple(out[:len(layout)]), tuple(out[len(layout):])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)

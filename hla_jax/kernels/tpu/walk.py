@@ -27,13 +27,12 @@ def heads_first(x):
     return jnp.swapaxes(x, 1, 2)  # [B,Tp,H,·] <-> [B,H,Tp,·]
 
 
-def specs(c, d, dv, rev, N):
+def specs(c, rev, N):
     """Per-chunk blocks of q, k, v and the gate; ``rev`` walks the chunks backwards."""
     n_of = (lambda n: N - 1 - n) if rev else (lambda n: n)
     tile = lambda w: pl.BlockSpec((None, None, c, w), lambda i, h, n: (i, h, n_of(n), 0))
     gate = pl.BlockSpec((None, None, None, 1, c), lambda i, h, n: (i, h, n_of(n), 0, 0))
-    state = lambda w: pl.BlockSpec((None, None, None, d, w), lambda i, h, n: (i, h, n_of(n), 0, 0))
-    return tile, gate, state
+    return tile, gate
 
 
 def compiler_params(interpret, sequential=True):
@@ -45,28 +44,25 @@ def _widths(layout, d, dv):
     return [d if kind == DD else dv for kind in layout]
 
 
-def _state_io(layout, B, H, N, d, dv, dtype, rev, share=False):
-    """Shapes and blocks of per-chunk states; ``share``: ``DD`` with a leading value-tile axis
-    of 1 (the layout of ``dstates``)."""
-    _, _, state = specs(None, d, dv, rev, N)
-    n_of = (lambda n: N - 1 - n) if rev else (lambda n: n)
+def _state_io(layout, B, H, n_blocks, d, dv, dtype, at, share=False):
+    """Shapes and blocks of states stacked along a chunk axis of ``n_blocks``, grid step ``n``
+    at block ``at(n)``; ``share``: ``DD`` with a leading value-tile axis of 1 (the layout of
+    ``dstates``)."""
     shapes, blocks = [], []
     for kind, w in zip(layout, _widths(layout, d, dv)):
-        if share and kind == DD:
-            shapes.append(jax.ShapeDtypeStruct((1, B, H, N, d, w), dtype))
-            blocks.append(pl.BlockSpec((None, None, None, None, d, w),
-                                       lambda i, h, n: (0, i, h, n_of(n), 0, 0)))
-        else:
-            shapes.append(jax.ShapeDtypeStruct((B, H, N, d, w), dtype))
-            blocks.append(state(w))
+        lead = (1,) if share and kind == DD else ()
+        shapes.append(jax.ShapeDtypeStruct(lead + (B, H, n_blocks, d, w), dtype))
+        blocks.append(pl.BlockSpec((None,) * len(lead) + (None, None, None, d, w),
+                                   lambda i, h, n, lead=lead: (0,) * len(lead) + (i, h, at(n), 0, 0)))
     return shapes, blocks
 
 
-def _reset_at_first_chunk(scratch):
+def _start(scratch, init_refs=()):
+    """At the first chunk, set the carried states to ``init_refs`` (float32), or to zeros."""
     @pl.when(pl.program_id(2) == 0)
     def _():
-        for s in scratch:
-            s[...] = jnp.zeros_like(s)
+        for k, s in enumerate(scratch):
+            s[...] = init_refs[k][...].astype(F32) if init_refs else jnp.zeros_like(s)
 
 
 def _advance(scratch, outputs):
@@ -94,10 +90,10 @@ def forward(chunk_forward, layout, q, k, v, b, *, c, bv=None, num_warps=None, in
     """As ``kernels.gpu.walk.forward``: ``O [B,Tp,H,dv]`` float32."""
     B, Tp, H, d = q.shape
     dv, N = v.shape[-1], Tp // c
-    tile, gate, _ = specs(c, d, dv, False, N)
+    tile, gate = specs(c, False, N)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, o_ref, *scratch):
-        _reset_at_first_chunk(scratch)
+        _start(scratch)
         o_ref[...], = _advance(scratch, chunk_forward(q_ref[...], k_ref[...], v_ref[...], b_ref[0],
                                                       *(s[...] for s in scratch)))
 
@@ -107,42 +103,55 @@ def forward(chunk_forward, layout, q, k, v, b, *, c, bv=None, num_warps=None, in
     return heads_first(O)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
-def states(chunk_forward, layout, q, k, v, b, *, c, bv=None, num_warps=None, interpret=False):
-    """As ``kernels.gpu.walk.states``: every chunk's incoming states, input dtype."""
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC + ("every",))
+def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, c, bv=None, num_warps=None,
+           interpret=False):
+    """As ``kernels.gpu.walk.states``: the incoming states of every ``every``-th chunk, input
+    dtype, the walk starting from ``init`` (float32, zeros if None)."""
     B, Tp, H, d = q.shape
-    dv, N = v.shape[-1], Tp // c
-    tile, gate, _ = specs(c, d, dv, False, N)
-    shapes, blocks = _state_io(layout, B, H, N, d, dv, q.dtype, False)
+    dv, N, init = v.shape[-1], Tp // c, tuple(init or ())
+    tile, gate = specs(c, False, N)
+    shapes, blocks = _state_io(layout, B, H, -(-N // every), d, dv, q.dtype,
+                               lambda n: jax.lax.div(n, every))  # n >= 0: no floor fix-up
+    _, init_blocks = _state_io(layout, B, H, 1, d, dv, F32, lambda n: 0)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        saved, scratch = refs[:len(layout)], refs[len(layout):]
-        _reset_at_first_chunk(scratch)
+        init_refs, saved, scratch = refs[:len(init)], refs[len(init):len(init) + len(layout)], \
+            refs[len(init) + len(layout):]
+        _start(scratch, init_refs)
         xs = [s[...] for s in scratch]
-        for ref, x in zip(saved, xs):
-            ref[...] = x.astype(ref.dtype)
+
+        @pl.when(jax.lax.rem(pl.program_id(2), every) == 0)
+        def _():
+            for ref, x in zip(saved, xs):
+                ref[...] = x.astype(ref.dtype)
+
         _advance(scratch, chunk_forward(q_ref[...], k_ref[...], v_ref[...], b_ref[0], *xs))
 
-    return tuple(_call(kernel, shapes, [tile(d), tile(d), tile(dv), gate], blocks, (B, H, N),
-                       [pltpu.VMEM((d, w), F32) for w in _widths(layout, d, dv)], True, interpret,
-                       q, k, v, b))
+    return tuple(_call(kernel, shapes, [tile(d), tile(d), tile(dv), gate, *init_blocks[:len(init)]],
+                       blocks, (B, H, N), [pltpu.VMEM((d, w), F32) for w in _widths(layout, d, dv)],
+                       True, interpret, q, k, v, b, *init))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
-def dstates(chunk_backward, layout, q, k, v, b, *saved_do, c, bv=None, num_warps=None,
+def dstates(chunk_backward, layout, q, k, v, b, *saved_do, init=None, c, bv=None, num_warps=None,
             interpret=False):
-    """As ``kernels.gpu.walk.dstates`` with one value tile (``DD``: ``[1,B,H,N,d,d]``)."""
+    """As ``kernels.gpu.walk.dstates`` with one value tile (``DD``: ``[1,B,H,N,d,d]``):
+    ``(per_chunk, first)``, the walk starting from ``init`` (float32, zeros if None)."""
     B, Tp, H, d = q.shape
-    dv, N, L = v.shape[-1], Tp // c, len(saved_do) - 1
-    tile, gate, _ = specs(c, d, dv, True, N)
-    shapes, blocks = _state_io(layout, B, H, N, d, dv, q.dtype, True, share=True)
-    _, state_blocks = _state_io(layout, B, H, N, d, dv, q.dtype, True)
+    dv, N, L, init = v.shape[-1], Tp // c, len(saved_do) - 1, tuple(init or ())
+    tile, gate = specs(c, True, N)
+    shapes, blocks = _state_io(layout, B, H, N, d, dv, q.dtype, lambda n: N - 1 - n, share=True)
+    _, state_blocks = _state_io(layout, B, H, N, d, dv, q.dtype, lambda n: N - 1 - n)
+    end_shapes, end_blocks = _state_io(layout, B, H, 1, d, dv, F32, lambda n: 0, share=True)
     widths = _widths(layout, d, dv)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        state_refs, do_ref = refs[:L], refs[L]
-        dsaved, scratch = refs[L + 1:L + 1 + len(layout)], refs[L + 1 + len(layout):]
-        _reset_at_first_chunk(scratch)
+        state_refs, do_ref, init_refs = refs[:L], refs[L], refs[L + 1:L + 1 + len(init)]
+        outs = refs[L + 1 + len(init):]
+        dsaved, first, scratch = outs[:len(layout)], outs[len(layout):2 * len(layout)], \
+            outs[2 * len(layout):]
+        _start(scratch, init_refs)
         xs = [s[...] for s in scratch]
         for ref, x in zip(dsaved, xs):
             ref[...] = x.astype(ref.dtype)
@@ -150,10 +159,17 @@ def dstates(chunk_backward, layout, q, k, v, b, *saved_do, c, bv=None, num_warps
         out = chunk_backward(q_ref[...], k_ref[...], v_ref[...], b_ref[0], *saved, do_ref[...], *xs)
         _advance(scratch, out[4:])
 
+        @pl.when(pl.program_id(2) == N - 1)
+        def _():
+            for ref, s in zip(first, scratch):
+                ref[...] = s[...]
+
     *saved, do = saved_do
-    return tuple(_call(kernel, shapes, [tile(d), tile(d), tile(dv), gate, *state_blocks[:L], tile(dv)],
-                       blocks, (B, H, N), [pltpu.VMEM((d, w), F32) for w in widths], True, interpret,
-                       q, k, v, b, *saved, heads_first(do)))
+    out = _call(kernel, shapes + end_shapes,
+                [tile(d), tile(d), tile(dv), gate, *state_blocks[:L], tile(dv), *end_blocks[:len(init)]],
+                blocks + end_blocks, (B, H, N), [pltpu.VMEM((d, w), F32) for w in widths], True,
+                interpret, q, k, v, b, *saved, heads_first(do), *init)
+    return tuple(out[:len(layout)]), tuple(out[len(layout):])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
@@ -161,8 +177,8 @@ def outputs(chunk_forward, layout, q, k, v, b, *saved, c, bv=None, num_warps=Non
     """As ``kernels.gpu.walk.outputs``: every chunk at once, grid ``(B, H, N)`` all parallel."""
     B, Tp, H, d = q.shape
     dv, N = v.shape[-1], Tp // c
-    tile, gate, _ = specs(c, d, dv, False, N)
-    _, blocks = _state_io(layout, B, H, N, d, dv, q.dtype, False)
+    tile, gate = specs(c, False, N)
+    _, blocks = _state_io(layout, B, H, N, d, dv, q.dtype, lambda n: n)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
         state_refs, o_ref = refs[:-1], refs[-1]
@@ -182,9 +198,9 @@ def grads(chunk_backward, layout, q, k, v, b, *saved_do_dsaved, c, bv=None, num_
     all parallel."""
     B, Tp, H, d = q.shape
     dv, N, L = v.shape[-1], Tp // c, len(layout)
-    tile, gate, _ = specs(c, d, dv, False, N)
-    _, state_blocks = _state_io(layout, B, H, N, d, dv, q.dtype, False)
-    _, dstate_blocks = _state_io(layout, B, H, N, d, dv, q.dtype, False, share=True)
+    tile, gate = specs(c, False, N)
+    _, state_blocks = _state_io(layout, B, H, N, d, dv, q.dtype, lambda n: n)
+    _, dstate_blocks = _state_io(layout, B, H, N, d, dv, q.dtype, lambda n: n, share=True)
     saved, do, dsaved = saved_do_dsaved[:L], saved_do_dsaved[L], saved_do_dsaved[L + 1:]
 
     def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
