@@ -95,11 +95,11 @@ def main():
     p.add_argument("--kernels", default="", help="comma-separated kernel names (default: all)")
     p.add_argument("--cases", default="", help="comma-separated case indices (default: all)")
     p.add_argument("--f32_tile", type=int, default=-1,
-                   help="cap of the HLA chunk/value tiles for float32 at d >= 128 (wrap.F32_GPU_TILE; "
-                        "0: no cap, -1: the library's)")
+                   help="cap of every kernel's chunk/value tiles for float32 at d >= 128 "
+                        "(wrap.F32_GPU_TILE; 0: no cap, -1: the library's)")
     a = p.parse_args()
     if a.f32_tile >= 0:
-        wrap.F32_GPU_TILE = a.f32_tile or 1 << 30
+        wrap.F32_GPU_TILE = dict.fromkeys(wrap.F32_GPU_TILE, a.f32_tile or 1 << 30)
     picked = [CASES[int(i)] for i in a.cases.split(",")] if a.cases else CASES
     if a.kernels:
         picked = [c for c in picked if c[0] in a.kernels.split(",")]

@@ -251,9 +251,9 @@ def test_float32_at_head_dim_128_gets_smaller_tiles_on_gpu(rng, family, monkeypa
     for d, dtype in ((128, jnp.float32), (128, jnp.bfloat16), (64, jnp.float32)):
         q, k, v = (x.astype(dtype) for x in make_qkv(rng, 1, 100, 1, d, 128))
         fn(q, k, v, interpret=False, platform="gpu", block_v=64, block_v_bwd=128)
-    capped = wrap.F32_GPU_TILE
+    capped = wrap.F32_GPU_TILE[f"{family}_pallas"]
     assert (seen[0].c, seen[0].bv_fwd, seen[0].bv_bwd) == (min(64, capped),) * 2 + (min(128, capped),)
     assert [(x.c, x.bv_fwd, x.bv_bwd) for x in seen[1:]] == [(64, 64, 128)] * 2
-    monkeypatch.setattr(wrap, "F32_GPU_TILE", None)
+    monkeypatch.setattr(wrap, "F32_GPU_TILE", {})
     with pytest.raises(ValueError, match="bf16"):
         fn(*make_qkv(rng, 1, 16, 1, 128, 16), interpret=False, platform="gpu")

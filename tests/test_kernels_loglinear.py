@@ -168,3 +168,16 @@ def test_loglinear_mamba2_pallas_lowers_for_hardware(platform, c):
     text = lower_for(platform, jax.grad(loss, argnums=(0, 1, 2, 3, 4)), x(B, T, H, d),
                      x(B, T, H, d), x(B, T, H, dv), f32(B, T, H), f32(B, T, H, 11))
     assert text.count(KERNEL_CALL[platform]) >= 3  # states, dstates, grads (grad drops the forward)
+
+
+def test_float32_at_head_dim_128_gets_smaller_tiles_on_gpu():
+    """As for the HLA kernels: float32 at d=128, compiled for a GPU, caps every tile at
+    ``wrap.F32_GPU_TILE`` (Triton's shared memory); bf16 keeps the requested tiles."""
+    from hla_jax.kernels import wrap
+
+    for name in ("loglinear_mamba2_pallas", "loglinear_gated_deltanet_pallas"):
+        for dtype, want in ((jnp.float32, wrap.F32_GPU_TILE[name]), (jnp.bfloat16, 64)):
+            q = jnp.zeros((1, 100, 1, 128), dtype)
+            got = wrap.launch(name, q, q, q, chunk_size=64, block_v=64, block_v_bwd=64,
+                              interpret=False, platform="gpu")
+            assert (got.c, got.bv, got.bv_bwd, got.Tp) == (want, want, want, -(-100 // want) * want)

@@ -157,9 +157,9 @@ def loglinear_mamba2_pallas(q, k, v, g, lam, *, chunk_size=64, interpret=None, b
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name, required=True)
     lam = check_lam(lam, B, T, H, name=name)
-    c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, chunk_size=chunk_size,
-                                                block_v=block_v, interpret=interpret,
-                                                platform=platform, block_v_bwd=block_v_bwd)
+    c, Tp, dp, dt, interpret, platform, block_v, block_v_bwd = launch(
+        name, q, k, v, chunk_size=chunk_size, block_v=block_v, interpret=interpret,
+        platform=platform, block_v_bwd=block_v_bwd)
     P = chunk_levels(T, c)
     bv, bvb, dvp = value_tiles(block_v, block_v_bwd, dp, dv, P)
     cfg = Config(c, bv, bvb, num_warps, interpret, platform)

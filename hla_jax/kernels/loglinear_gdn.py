@@ -104,9 +104,9 @@ def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, int
     g = check_gate(g, B, T, H, name=name, required=True)
     beta = check_per_token(beta, B, T, H, "beta", name=name)
     lam = check_lam(lam, B, T, H, name=name)
-    c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, chunk_size=chunk_size,
-                                                block_v=block_v, interpret=interpret,
-                                                platform=platform, block_v_bwd=block_v_bwd)
+    c, Tp, dp, dt, interpret, platform, block_v, block_v_bwd = launch(
+        name, q, k, v, chunk_size=chunk_size, block_v=block_v, interpret=interpret,
+        platform=platform, block_v_bwd=block_v_bwd)
     S = chunk_levels(T, c)  # chunk levels log2 c + 1 .. log2 c + S
     bv, bvb, dvp = value_tiles(block_v, block_v_bwd, dp, dv, S)
     per_token = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0)))

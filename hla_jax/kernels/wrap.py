@@ -40,9 +40,10 @@ from hla_jax.ops.common import check_gate, check_qkv, clamp_signed
 LOG_DECAY_FLOOR = -30.0
 CHECKPOINT_EVERY = 128  # chunks per backward segment: per-chunk states of 8192 tokens at c = 64
 # float32 inputs from this (padded) head dim on exceed Triton's shared memory at the bf16 tiles:
-# chunk and value tiles are capped at F32_GPU_TILE (None: refused)
+# chunk and value tiles are capped per operator (H200: hla3's tiles of 32 asked 236 KiB of 227)
 F32_GPU_MAX_D = 128
-F32_GPU_TILE = 32
+F32_GPU_TILE = {"hla2_pallas": 32, "ahla_pallas": 32, "hla3_pallas": 16,
+                "loglinear_mamba2_pallas": 32, "loglinear_gated_deltanet_pallas": 16}
 
 
 class Config(NamedTuple):
@@ -158,30 +159,45 @@ def chunk_log_decay(g, c: int):
 class Launch(NamedTuple):
     """What every Pallas operator derives from its inputs: the chunk ``c``, the padded length
     ``Tp`` and key width ``dp`` (a power of two >= 16), the matmul dtype ``dt`` (bf16 when all
-    of q, k, v are bf16, else float32), interpret mode and platform ("gpu" | "tpu")."""
+    of q, k, v are bf16, else float32), interpret mode, platform ("gpu" | "tpu") and the value
+    tiles ``bv``, ``bv_bwd`` (``block_v``, ``block_v_bwd``; capped like ``c`` for float32 on a
+    GPU, see ``F32_GPU_TILE``)."""
     c: int
     Tp: int
     dp: int
     dt: object
     interpret: bool
     platform: str
+    bv: int
+    bv_bwd: int
 
 
 def launch(name, q, k, v, *, chunk_size, block_v, interpret, platform, block_v_bwd=None) -> Launch:
     """``Launch`` of the operator ``name`` (ValueErrors name ``chunk_size`` / ``block_v`` /
     ``block_v_bwd``); ``interpret=None`` is interpret mode on CPU only, ``platform=None`` the
-    default backend's."""
+    default backend's.  Compiled on a GPU, float32 inputs with a (padded) head dim of at least
+    ``F32_GPU_MAX_D`` get every tile capped at ``F32_GPU_TILE[name]`` (Triton's shared memory),
+    or are refused where that is None."""
+    block_v_bwd = block_v_bwd or block_v
     for arg, x in (("chunk_size", chunk_size), ("block_v", block_v), ("block_v_bwd", block_v_bwd)):
-        if arg == "block_v_bwd" and x is None:
-            continue
         if not isinstance(x, int) or x < 16 or x & (x - 1):
             raise ValueError(f"{name}: {arg} must be a power of two >= 16, got {x!r}")
     backend = jax.default_backend()
     T, d = q.shape[1], q.shape[-1]
-    return Launch(chunk_size, -(-T // chunk_size) * chunk_size, pow2_at_least(max(d, 16)),
-                  jnp.bfloat16 if all(x.dtype == jnp.bfloat16 for x in (q, k, v)) else jnp.float32,
-                  backend == "cpu" if interpret is None else bool(interpret),
-                  platform or ("tpu" if backend == "tpu" else "gpu"))
+    dp = pow2_at_least(max(d, 16))
+    dt = jnp.bfloat16 if all(x.dtype == jnp.bfloat16 for x in (q, k, v)) else jnp.float32
+    interpret = backend == "cpu" if interpret is None else bool(interpret)
+    platform = platform or ("tpu" if backend == "tpu" else "gpu")
+    if platform == "gpu" and not interpret and dt == jnp.float32 and dp >= F32_GPU_MAX_D:
+        cap = F32_GPU_TILE.get(name)
+        if cap is None:
+            raise ValueError(
+                f"{name}: float32 q, k, v with head dim {d} (padded to {dp}) need more GPU shared "
+                f"memory than Triton has; pass bf16 inputs (float32 state either way) or use the "
+                f"operator's impl='chunked'")
+        chunk_size, block_v, block_v_bwd = (min(x, cap) for x in (chunk_size, block_v, block_v_bwd))
+    return Launch(chunk_size, -(-T // chunk_size) * chunk_size, dp, dt, interpret, platform,
+                  block_v, block_v_bwd)
 
 
 def backend_module(platform: str, name: str):
@@ -208,24 +224,14 @@ def pallas_operator(family: str, q, k, v, g=None, *, normalize=False, eps=1e-6, 
     name = f"{family}_pallas"
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name)
-    tiles = dict(chunk_size=chunk_size, block_v=block_v, block_v_bwd=block_v_bwd or block_v)
-    c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, interpret=interpret,
-                                                platform=platform, **tiles)
-    if platform == "gpu" and not interpret and dt == jnp.float32 and dp >= F32_GPU_MAX_D:
-        if F32_GPU_TILE is None:
-            raise ValueError(
-                f"{name}: float32 q, k, v with head dim {d} (padded to {dp}) need more GPU shared "
-                f"memory than Triton has; pass bf16 inputs (float32 state either way) or use the "
-                f"operator's impl='chunked'")
-        tiles = {key: min(x, F32_GPU_TILE) for key, x in tiles.items()}
-        c, Tp, dp, dt, interpret, platform = launch(name, q, k, v, interpret=interpret,
-                                                    platform=platform, **tiles)
-        block_v, block_v_bwd = tiles["block_v"], tiles["block_v_bwd"]
+    c, Tp, dp, dt, interpret, platform, bv, bvb = launch(
+        name, q, k, v, chunk_size=chunk_size, block_v=block_v, interpret=interpret,
+        platform=platform, block_v_bwd=block_v_bwd)
     if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
         raise ValueError(f"{name}: checkpoint_every must be a positive int (chunks) or None, got "
                          f"{checkpoint_every!r}")
     Tp, G = segments(Tp, c, checkpoint_every)
-    bv, bvb = (min(x, pow2_at_least(max(dv, 16))) for x in (block_v, block_v_bwd or block_v))
+    bv, bvb = (min(x, pow2_at_least(max(dv, 16))) for x in (bv, bvb))
     dvp = -(-dv // max(bv, bvb)) * max(bv, bvb)
     cfg = Config(family, c, bv, bvb, num_warps, num_warps_bwd or num_warps, interpret, platform,
                  parallel_forward, G)
