@@ -111,8 +111,9 @@ def forward(chunk_forward, layout, q, k, v, b, *, c, bv, num_warps=8, interpret=
 def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, c, bv, num_warps=8,
            interpret=False):
     """The incoming states of every ``every``-th chunk (``DD [B,H,⌈N/every⌉,d,d]``, written by
-    value tile 0, ``DV [B,H,⌈N/every⌉,d,dv]``), in the input dtype, without ``O``; the walk
-    starts from ``init`` (``DD [B,H,1,d,d]``, ``DV [B,H,1,d,dv]``, float32; zeros if None)."""
+    value tile 0, ``DV [B,H,⌈N/every⌉,d,dv]``), in the input dtype (float32 checkpoints when
+    ``every > 1``), without ``O``; the walk starts from ``init`` (``DD [B,H,1,d,d]``,
+    ``DV [B,H,1,d,dv]``, float32; zeros if None)."""
     B, Tp, H, d = q.shape
     dv, N = v.shape[-1], Tp // c
     init = tuple(init or ())
@@ -138,7 +139,8 @@ def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, c, bv, num_
                  else _zeros(layout, d, bv))
         jax.lax.fori_loop(0, N, body, carry)
 
-    return tuple(_call(kernel, _state_shapes(layout, B, H, -(-N // every), d, dv, q.dtype),
+    dtype = F32 if every > 1 else q.dtype
+    return tuple(_call(kernel, _state_shapes(layout, B, H, -(-N // every), d, dv, dtype),
                        (B, H, dv // bv), num_warps, interpret, q, k, v, b, *init))
 
 

@@ -107,11 +107,12 @@ def forward(chunk_forward, layout, q, k, v, b, *, c, bv=None, num_warps=None, in
 def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, c, bv=None, num_warps=None,
            interpret=False):
     """As ``kernels.gpu.walk.states``: the incoming states of every ``every``-th chunk, input
-    dtype, the walk starting from ``init`` (float32, zeros if None)."""
+    dtype (float32 checkpoints when ``every > 1``), the walk starting from ``init`` (float32,
+    zeros if None)."""
     B, Tp, H, d = q.shape
     dv, N, init = v.shape[-1], Tp // c, tuple(init or ())
     tile, gate = specs(c, False, N)
-    shapes, blocks = _state_io(layout, B, H, -(-N // every), d, dv, q.dtype,
+    shapes, blocks = _state_io(layout, B, H, -(-N // every), d, dv, F32 if every > 1 else q.dtype,
                                lambda n: jax.lax.div(n, every))  # n >= 0: no floor fix-up
     _, init_blocks = _state_io(layout, B, H, 1, d, dv, F32, lambda n: 0)
 
