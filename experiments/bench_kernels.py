@@ -245,7 +245,12 @@ def main(argv=None):
     p.add_argument("--parallel_forward", type=int, choices=(0, 1),
                    help="hla2_pallas setting (default: the library's)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--merge", default="",
+                   help="comma-separated result JSONs of runs at one shape: write them as one <name> "
+                        "table (nothing is run)")
     a = p.parse_args(argv)
+    if a.merge:
+        return write(merge(a.merge.split(",")), a.out, a.name)
     shape = Shape(*(int(x) for x in a.shape.split(",")))
     defaults = {n: x.default for n, x in inspect.signature(kernels.hla2_pallas).parameters.items()}
     kws = {"hla2": {n: defaults[n] if getattr(a, n) is None else type(defaults[n])(getattr(a, n))
@@ -288,13 +293,29 @@ def main(argv=None):
     res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, H=shape.H, d=shape.d, dv=shape.dv,
                tokens=a.tokens, dtype="bfloat16", matmul_tflops=mm, kernel_settings=kws, phases_ms=phase_ms,
                rows=rows)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
+    write(res, a.out, a.name)
+
+
+def write(res, out, name):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(res, f, indent=1)
     md = table(res)
-    with open(os.path.join(a.out, f"{a.name}.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(md)
     print(md)
+
+
+def merge(paths):
+    """One result from the JSONs of several runs at the same shape (rows pooled; the matmul rate
+    is the median of the runs')."""
+    parts = [json.load(open(p)) for p in paths]
+    keys = ("device", "H", "d", "dv", "tokens", "dtype")
+    for p, part in zip(paths, parts):
+        if any(part[k] != parts[0][k] for k in keys):
+            raise ValueError(f"--merge: {p} is not at the shape of {paths[0]} ({keys})")
+    return dict(parts[0], matmul_tflops=statistics.median(p["matmul_tflops"] for p in parts),
+                merged=[os.path.basename(p) for p in paths], rows=[r for p in parts for r in p["rows"]])
 
 
 def table(res):

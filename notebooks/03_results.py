@@ -57,7 +57,8 @@ def show(fig):
 #
 # Accuracy per query at the best learning rate, next to the log-linear paper's numbers
 # (see `experiments/mqar.py` for how those are read). `mqar_h200` is the H200 sweep at 2000
-# steps (24 of 27 cells); `mqar_h200_hla_decay` its hla2 variant with a learned decay;
+# steps (all 27 cells); `mqar_h200_hla_conv` the linear and HLA mixers with a short conv;
+# `mqar_h200_hla_decay` hla2 with a learned decay;
 # `mqar_cpu_*` and `mqar_h200_probe` are small pipeline checks, not the paper's setup.
 
 # %%

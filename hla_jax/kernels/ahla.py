@@ -10,8 +10,8 @@ Same design as ``hla2_pallas`` (kernels in ``kernels/gpu/walk.py``, plumbing in
 (``kernels/ahla_chunk.py``); AHLA is linear in its states, so the reverse walk carries only
 their cotangents, then every chunk's gradients are computed at once.  Defaults (one walk for
 the forward, ``block_v_bwd=64``) are the fastest measured on the H200 at T=8192.  The NVIDIA
-path (Triton) passes the H200 check in bf16 and in float32 at ``d = 64``
-(``experiments/check_kernels_gpu.py``; float32 at ``d = 128`` is refused there); the TPU path
+path (Triton) passes the H200 check in bf16 and float32 (``experiments/check_kernels_gpu.py``;
+float32 at ``d >= 128`` with tiles capped at ``wrap.F32_GPU_TILE``); the TPU path
 (``kernels/tpu/walk``, Mosaic) is tested in interpret mode and checked to lower only: no TPU was
 available.
 """

@@ -13,18 +13,20 @@ chip), by default split into a ``states`` walk and chunk-parallel ``outputs``
 re-runs the ``states`` walk (every chunk's incoming state, transient), walks the chunks in
 reverse with the cotangent state ``(dS, dU)`` only (which does not depend on the states: HLA2 is
 linear in them), then computes every chunk's ``dq, dk, dv, db`` at once, in its own value tile
-(``block_v_bwd``).  Defaults (``block_v=64``, ``block_v_bwd=128``, ``parallel_forward=True``)
-are the fastest forward+backward measured on the H200 at T=8192 (``experiments/bench_kernels.py
---tune``).  Gates enter as the per-chunk cumulative log-decay ``b``; ``dg`` follows by autodiff
-of that cumulative sum.
+(``block_v_bwd``); beyond ``checkpoint_every`` chunks (default 1024) it does so segment by
+segment from float32 state checkpoints, holding per-chunk states for one segment only.
+Defaults (``block_v=64``, ``block_v_bwd=128``, ``parallel_forward=True``) are the fastest
+forward+backward measured on the H200 at T=8192 (``experiments/bench_kernels.py --tune``).
+Gates enter as the per-chunk cumulative log-decay ``b``; ``dg`` follows by autodiff of that
+cumulative sum.
 
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
-path (``kernels/gpu/walk.py``, Triton lowering) passes the H200 check in bf16 and in float32 at
-``d = 64``; float32 inputs at ``d = 128`` are refused there (they exceeded Triton's shared
-memory).  The TPU path (``kernels/tpu/walk.py``, Mosaic) is tested in interpret mode only: no
-TPU was available.  Inputs other than bf16 run in
-float32; ``d`` is zero-padded to a power of two >= 16 and ``dv`` to a multiple of the value
-tile, ``T`` to a multiple of ``chunk_size`` (a power of two >= 16).
+path (``kernels/gpu/walk.py``, Triton lowering) passes the H200 check in bf16 and float32;
+float32 inputs at ``d >= 128`` run there with chunk and value tiles capped at
+``wrap.F32_GPU_TILE`` (32 for hla2: the bf16 tiles exceed Triton's shared memory).  The TPU
+path (``kernels/tpu/walk.py``, Mosaic) is tested in interpret mode only: no TPU was available.
+Inputs other than bf16 run in float32; ``d`` is zero-padded to a power of two >= 16 and ``dv``
+to a multiple of the value tile, ``T`` to a multiple of ``chunk_size`` (a power of two >= 16).
 """
 
 from __future__ import annotations

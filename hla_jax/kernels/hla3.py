@@ -13,7 +13,8 @@ it) and ``P, F: d×bv`` (``kernels/hla3_chunk.py``).  ``F``'s update is bilinear
 ``P``, so the reverse walk of the cotangent state ``(dS + dSᵀ, dP, dF)`` reads the saved states
 (``wrap.BILINEAR``); then every chunk's gradients are computed at once.  Defaults
 (``parallel_forward=True``, ``block_v_bwd=128``) are the fastest measured on the H200 at
-T=8192.  The NVIDIA path (Triton) passes the H200 check in bf16 and in float32 at ``d = 64``;
+T=8192.  The NVIDIA path (Triton) passes the H200 check in bf16 and float32 (float32 at
+``d >= 128`` with chunk and value tiles of 16, ``wrap.F32_GPU_TILE``: Triton's shared memory);
 the TPU path (``kernels/tpu/walk``, Mosaic) is tested in interpret mode only: no TPU was
 available.
 """

@@ -23,8 +23,9 @@ computes every chunk's ``dq, dk, dv, db, dλ`` at once, with its own value tile
 (``wrap.chunk_log_decay``, floored at ``LOG_DECAY_FLOOR`` so a reset ``g = -inf`` stays finite).
 
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
-path (``kernels/gpu``, Triton lowering) passes the H200 check in bf16
-(``experiments/check_kernels_gpu.py``; float32 not yet run there); the TPU path
+path (``kernels/gpu``, Triton lowering) passes the H200 check in bf16 and float32
+(``experiments/check_kernels_gpu.py``; float32 at ``d >= 128`` with tiles of 32,
+``wrap.F32_GPU_TILE``); the TPU path
 (``kernels/tpu``, Mosaic) passes the Mosaic lowering but runs in interpret mode only: no TPU was
 available.
 Inputs other than all-bf16 run in float32; ``d`` is zero-padded to a power of two >= 16, ``dv``

@@ -15,7 +15,11 @@ family:
 
 ``chunked_core`` is the ``jax.custom_vjp`` over these: the forward keeps only its inputs; the
 backward re-runs ``states`` (recompute, transient), walks ``dstates`` back, and then computes
-every chunk's ``dq, dk, dv, db`` at once: only the two cheap state walks are sequential.
+every chunk's ``dq, dk, dv, db`` at once: only the two cheap state walks are sequential.  A
+sequence longer than ``checkpoint_every`` chunks is done in equal segments, last first: one
+``states`` walk writes float32 checkpoints (each segment's incoming state), then per segment
+``states`` from its checkpoint, ``dstates`` from the cotangent carried back from the next
+segment, and ``grads``; per-chunk states are held for one segment at a time.
 ``pallas_operator`` is the public entry: input checks, padding (``T`` to the
 chunk, ``d`` to a power of two >= 16, ``dv`` to a multiple of the value tile), gates as
 ``chunk_log_decay``, ratio normalisation by a second call on a 16-wide value tile
@@ -38,7 +42,7 @@ from hla_jax.kernels.gpu.walk import DD, DV
 from hla_jax.ops.common import check_gate, check_qkv, clamp_signed
 
 LOG_DECAY_FLOOR = -30.0
-CHECKPOINT_EVERY = 128  # chunks per backward segment: per-chunk states of 8192 tokens at c = 64
+CHECKPOINT_EVERY = 1024  # chunks per backward segment (65536 tokens at c = 64; shorter: one segment)
 # float32 inputs from this (padded) head dim on exceed Triton's shared memory at the bf16 tiles:
 # chunk and value tiles are capped per operator (H200: hla3's tiles of 32 asked 236 KiB of 227)
 F32_GPU_MAX_D = 128
