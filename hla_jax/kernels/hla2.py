@@ -43,6 +43,8 @@ def hla2_pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, in
     >= 16), ``parallel_forward`` (``states`` walk + chunk-parallel outputs), ``num_warps``
     (Triton) and ``platform`` ("gpu" | "tpu"; default from ``jax.default_backend()``) tune the
     kernels; ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.
+    ``checkpoint_every`` (chunks, or None for one segment) bounds the backward's per-chunk
+    states to one segment of a longer sequence, at the price of one more state walk.
     """
     return pallas_operator("hla2", q, k, v, g, normalize=normalize, eps=eps,
                            chunk_size=chunk_size, interpret=interpret, block_v=block_v,
