@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -75,3 +76,18 @@ def test_bench_kernels_runs_a_tiny_shape(tmp_path):
     assert [r["method"] for r in res["rows"]] == ["hla2_pallas", "loglinear_mamba2_pallas"]
     assert all("fwd_bwd_ms" in r for r in res["rows"]) and "fwd_bwd_tflops" in res["rows"][0]
     assert "| hla2_pallas |" in (tmp_path / "tiny.md").read_text()
+    # runs at the same shape merge into one table; another shape is refused
+    bench_kernels.main(["--shape", "2,16,32", "--T", "32", "--tokens", "128", "--repeats", "1",
+                        "--methods", "hla2_pallas", "--out", str(tmp_path), "--name", "tiny32",
+                        "--matmul_n", "256"])
+    bench_kernels.main(["--merge", f"{tmp_path / 'tiny.json'},{tmp_path / 'tiny32.json'}",
+                        "--out", str(tmp_path), "--name", "both"])
+    both = json.loads((tmp_path / "both.json").read_text())
+    assert sorted((r["method"], r["T"]) for r in both["rows"]) == [
+        ("hla2_pallas", 32), ("hla2_pallas", 64), ("loglinear_mamba2_pallas", 64)]
+    assert "| T=32 | T=64 |" in (tmp_path / "both.md").read_text()
+    other = dict(res, H=3)
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="not at the shape"):
+        bench_kernels.main(["--merge", f"{tmp_path / 'tiny.json'},{tmp_path / 'other.json'}",
+                            "--out", str(tmp_path)])
