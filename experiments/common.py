@@ -133,6 +133,8 @@ def add_train_args(p, mixers: str, seq_len_default: int, seq_len_help: str):
     p.add_argument("--d_model", type=int, default=0, help="--train width override")
     p.add_argument("--train_batch", type=int, default=0, help="--train batch override")
     p.add_argument("--workroot", default="", help="where --train puts workdirs (default: temp)")
+    p.add_argument("--set", default=[], action="append", metavar="KEY=VALUE",
+                   help="--train config override, e.g. model.hla_decay=true (repeatable)")
 
 
 def apply_train_args(c, args):
@@ -143,7 +145,28 @@ def apply_train_args(c, args):
     if args.d_model:
         c.model.update(d_model=args.d_model, n_heads=min(c.model.n_heads, args.d_model // 16) or 1)
     c.data.batch_size = args.train_batch or c.data.batch_size
+    return apply_set(c, args.set)
+
+
+def apply_set(c, items):
+    """Apply ``KEY=VALUE`` overrides (dotted keys of config ``c``) in place; returns ``c``."""
+    for item in items:
+        key, _, value = item.partition("=")
+        c.update_from_flattened_dict({key: yaml_value(value)})
     return c
+
+
+def yaml_value(text: str):
+    """``true``/``false``, numbers, else the string (the types of ``--config.x=...``)."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def train_workdirs(configs: dict, root) -> dict:
@@ -163,6 +186,6 @@ def train_workdirs(configs: dict, root) -> dict:
 
 def label(c) -> str:
     """The mixer pattern, plus the linear/HLA options that change the operator."""
-    extras = [name for name, field in (("decay", "hla_decay"), ("normalised", "hla_normalize"))
-              if c.model.get(field)]
+    extras = [name for name, field in (("decay", "hla_decay"), ("normalised", "hla_normalize"),
+                                       ("conv", "hla_conv")) if c.model.get(field)]
     return "+".join(c.model.mixer_pattern) + (f" ({', '.join(extras)})" if extras else "")

@@ -138,23 +138,7 @@ def make_config(args, mixer, dim, pairs, lr):
     c.model.vocab_size = args.vocab
     c.model.impl = args.impl
     c.train.eval_steps = args.eval_steps
-    for item in args.set:
-        key, _, value = item.partition("=")
-        c.update_from_flattened_dict({key: yaml_value(value)})
-    return common.quiet(c)
-
-
-def yaml_value(text: str):
-    """``true``/``false``, numbers, else the string (the types of ``--config.x=...``)."""
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    return common.quiet(common.apply_set(c, args.set))
 
 
 def draw(sources, seed, split, index, pidx, batch, accum) -> dict:

@@ -91,3 +91,16 @@ def test_bench_kernels_runs_a_tiny_shape(tmp_path):
     with pytest.raises(ValueError, match="not at the shape"):
         bench_kernels.main(["--merge", f"{tmp_path / 'tiny.json'},{tmp_path / 'other.json'}",
                             "--out", str(tmp_path)])
+
+
+def test_set_overrides_the_trained_config_and_names_it():
+    """``--set KEY=VALUE`` (mqar.py, and the ``--train`` of position_loss.py / niah.py): typed
+    values on dotted keys; the run's label names the HLA options it turned on."""
+    from experiments import common
+
+    c = common.get_config("lm", "mixer=hla2,size=tiny")
+    common.apply_set(c, ["model.hla_decay=true", "model.hla_conv=True", "optim.learning_rate=2e-3",
+                         "train.num_steps=7"])
+    assert (c.model.hla_decay, c.model.hla_conv, c.optim.learning_rate, c.train.num_steps) == (
+        True, True, 2e-3, 7)
+    assert common.label(c) == "hla2 (decay, conv)"
