@@ -114,7 +114,7 @@ def _core_bwd(cfg, res, do):
     bwd_kw = dict(kw, bv=cfg.bv_bwd, num_warps=cfg.warps_bwd)
     do = do.astype(q.dtype)
     Tp = q.shape[1]
-    G = min(cfg.checkpoint_every or Tp // cfg.c, Tp // cfg.c)
+    G = cfg.checkpoint_every or Tp // cfg.c  # segments() made it divide Tp / c
     L, n_seg = G * cfg.c, Tp // (G * cfg.c)
     ckpts = mod.states(q, k, v, b, every=G, **fwd_kw) if n_seg > 1 else ()
 
