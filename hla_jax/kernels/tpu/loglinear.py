@@ -58,12 +58,16 @@ def _slots(d, dv, N, P, n_of):
             for j in range(P)]
 
 
-def _operands(q, k, v, b, lam, s, c, P, tile, lams, chunk):
-    """Block specs and arrays of the inputs every kernel reads: ``q, k, v`` (heads first), the
-    gate and ``s`` per chunk, ``lam``."""
+def _operands(q, k, v, b, lam, s, c, rev):
+    """What every kernel starts from: ``(N, Ln, P, tile, lams, chunk, n_of, in_specs, args)``,
+    the chunk, level and slot counts, the blocks of ``specs`` and the specs and arrays of the
+    inputs every kernel reads: ``q, k, v`` (heads first), the gate and ``s`` per chunk, ``lam``."""
     B, Tp, H, d = q.shape
-    N = Tp // c
-    return ([tile(d), tile(d), tile(v.shape[-1]), chunk(1, c), lams, chunk(1, P, True)],
+    N, Ln = Tp // c, lam.shape[2]
+    P = num_slots(Ln, c)
+    tile, lams, chunk, n_of = specs(c, N, Ln, rev)
+    return (N, Ln, P, tile, lams, chunk, n_of,
+            [tile(d), tile(d), tile(v.shape[-1]), chunk(1, c), lams, chunk(1, P, True)],
             [heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, N, 1, c), lam,
              s.reshape(B, H, N, 1, P)])
 
@@ -72,10 +76,7 @@ def _walk(q, k, v, b, lam, s, *, c, outputs, interpret):
     """The forward walk writing ``O`` (``outputs``) or every chunk's merged state ``W``."""
     B, Tp, H, d = q.shape
     dv = v.shape[-1]
-    N, Ln = Tp // c, lam.shape[2]
-    P = num_slots(Ln, c)
-    tile, lams, chunk, _ = specs(c, N, Ln, False)
-    specs_in, args = _operands(q, k, v, b, lam, s, c, P, tile, lams, chunk)
+    N, Ln, P, tile, lams, chunk, _, specs_in, args = _operands(q, k, v, b, lam, s, c, False)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, lam_ref, s_ref, out_ref, w_scr):
         n = pl.program_id(2)
@@ -122,10 +123,7 @@ def dstates(q, k, v, b, lam, s, W, do, *, c, bv=None, num_warps=None, interpret=
     ``carried [1,B,H,Tp]``."""
     B, Tp, H, d = q.shape
     dv = v.shape[-1]
-    N, Ln = Tp // c, lam.shape[2]
-    P = num_slots(Ln, c)
-    tile, lams, chunk, n_of = specs(c, N, Ln, True)
-    specs_in, args = _operands(q, k, v, b, lam, s, c, P, tile, lams, chunk)
+    N, Ln, P, tile, lams, chunk, n_of, specs_in, args = _operands(q, k, v, b, lam, s, c, True)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, lam_ref, s_ref, *rest):
         w_refs = rest[:P]
@@ -168,10 +166,7 @@ def grads(q, k, v, b, lam, s, W, do, dM, *, c, bv=None, num_warps=None, interpre
     ``(B, H, N)`` all parallel."""
     B, Tp, H, d = q.shape
     dv = v.shape[-1]
-    N, Ln = Tp // c, lam.shape[2]
-    P = num_slots(Ln, c)
-    tile, lams, chunk, n_of = specs(c, N, Ln, False)
-    specs_in, args = _operands(q, k, v, b, lam, s, c, P, tile, lams, chunk)
+    N, Ln, P, tile, lams, chunk, n_of, specs_in, args = _operands(q, k, v, b, lam, s, c, False)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, lam_ref, s_ref, *rest):
         w_refs = rest[:P]
