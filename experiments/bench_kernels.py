@@ -1,27 +1,49 @@
-"""Benchmark our Pallas kernels (hla2, ahla, hla3, log-linear Mamba-2 and Gated DeltaNet) against
-our XLA chunked paths, cuDNN causal attention and the ``jax-linear-attention`` wheel (``jla``:
-first-order Mosaic GPU ``simple_gla`` / ``gated_deltanet`` kernels, plain-JAX
-``log_linear_simple_gla``), on one GPU.
+"""Benchmark our first-order gated linear-attention kernel and the HLA chains built on it against
+the ``jax-linear-attention`` wheel (``jla``), cuDNN causal attention, the fused HLA kernels and our
+XLA chunked forms, on one GPU.
 
-    python experiments/bench_kernels.py [--T 2048,8192,32768,65536] [--tokens 65536] [--out DIR]
-    python experiments/bench_kernels.py --tune 8192 --T 8192,65536   # pick HLA settings first
-    python experiments/bench_kernels.py --methods hla2_pallas,cudnn_causal --budget 300
+    python experiments/bench_kernels.py                       # the default methods at T = 2048 … 65536
+    python experiments/bench_kernels.py --T 2048,8192 --name kernels_bench_short --budget 420
+    python experiments/bench_kernels.py --merge results/a.json,results/b.json   # one table
+    python experiments/bench_kernels.py --methods loglinear_mamba2_pallas --tune 8192
 
-``jla_log_linear_simple_gla`` runs out of memory at B·T = 65536, so it and a twin row of our
-kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384.  ``--budget`` seconds: no new
-(method, T) pair starts after it (the results so far are written).
+Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
 
-bf16, ``--shape H,d,dv`` (default 16,128,128), B·T = ``--tokens``; forward and forward+backward (gradient of
-``sum(o·w)`` w.r.t. q, k, v) median wall times (ms) over ``--repeats`` runs after a warm-up;
-plus the achieved TFLOP/s of the kernel's matmul work (``kernel_flops``) next to a bf16 ``--matmul_n``³
-matmul timed in the same run.  Writes ``kernels_bench.json`` and ``kernels_bench.md``.
+- ``mamba2_pallas``: ``ops.mamba2(impl="pallas")``, i.e. ``hla_jax.kernels.la_pallas``;
+- ``hla2_pallas``, ``ahla_pallas``, ``hla3_pallas``: ``ops.<op>(impl="pallas")``, the SPEC §7
+  chains of two ``la_pallas`` calls;
+- ``jla_simple_gla``, ``jla_gated_deltanet``: the wheel's Mosaic GPU kernels at ``scale=1`` (our
+  operators do not scale q);
+- ``cudnn_causal``: ``jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")``;
+- ``hla2_fused``, ``ahla_fused``, ``hla3_fused``: the fused kernels
+  ``hla_jax.kernels.<op>.<op>_pallas``, imported when the run starts: a method whose import fails
+  (its module deleted, or ``jla`` not installed) is reported unavailable and skipped;
+- ``mamba2_xla_chunked``, ``<op>_xla_chunked``: ``impl="chunked"``;
+- only when named in ``--methods``: the log-linear kernels (``loglinear_mamba2_pallas``,
+  ``loglinear_gdn_pallas``), their ``_xla_chunked`` forms and the wheel's plain-JAX
+  ``jla_log_linear_simple_gla``, which runs out of memory at B·T = 65536, so it and a twin row of
+  our kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384 (``SMALL_TOKENS``).
+
+The default ``--methods`` (``DEFAULT_METHODS``) are the ones ``TARGETS`` compare plus the fused and
+XLA rows.  The targets are ratios of median times of two methods at the same T, measured in the
+same process, so runs split by T (then ``--merge``d) keep every ratio within one run.  The methods
+a target names run first, at every T, then the others.  ``--budget`` seconds: no new (method, T)
+pair starts after it.  The JSON and Markdown are rewritten after every pair, so a run cut off
+keeps what finished.  ``--tune T`` first picks ``loglinear_mamba2_pallas``'s value tile at that T.
+
+bf16, ``--shape H,d,dv`` (default 16,128,128), B·T = ``--tokens``; q and k L2-normalised per token
+and head (the HLA chains' sums grow with their order), per-token log-decays ``g`` in (−0.1, 0].
+Forward and forward+backward (gradient of ``sum(o·w)`` w.r.t. q, k, v) median wall times (ms) over
+``--repeats`` runs after a warm-up, next to a bf16 ``--matmul_n``³ matmul timed in the same run.
+Writes ``<out>/<name>.json`` and ``.md``: one row per method, then the targets, each met or missed.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import importlib
 import json
+import operator
 import os
 import statistics
 import time
@@ -29,10 +51,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hla_jax import kernels, ops
 from hla_jax.ops import fenwick
+
+HLA = ("hla2", "ahla", "hla3")
 
 
 class Shape(NamedTuple):
@@ -42,6 +65,34 @@ class Shape(NamedTuple):
     dv: int = 128
 
 
+class Target(NamedTuple):
+    """``time(num) / time(den) <cmp> bound`` at ``T`` (None: at every T measured)."""
+    num: str
+    den: str
+    cmp: str
+    bound: float
+    T: int | None = None
+
+    @property
+    def ratio(self) -> str:
+        return f"{self.num} / {self.den}"
+
+
+COMPARE = {"<=": (operator.le, "≤"), ">=": (operator.ge, "≥"), ">": (operator.gt, ">")}
+TARGETS = [
+    Target("mamba2_pallas", "jla_simple_gla", "<=", 1.2),
+    Target("hla2_pallas", "mamba2_pallas", "<=", 2.1),
+    Target("ahla_pallas", "mamba2_pallas", "<=", 2.1),
+    Target("hla3_pallas", "mamba2_pallas", "<=", 3.0),
+    Target("cudnn_causal", "hla2_pallas", ">=", 3.0, 8192),
+    Target("cudnn_causal", "hla2_pallas", ">=", 8.0, 32768),
+    *[Target(f"{op}_fused", f"{op}_pallas", ">", 1.0) for op in HLA],
+]
+DEFAULT_METHODS = ("mamba2_pallas", "jla_simple_gla", "hla2_pallas", "ahla_pallas", "hla3_pallas",
+                   "cudnn_causal", "jla_gated_deltanet", "hla2_fused", "ahla_fused", "hla3_fused",
+                   "mamba2_xla_chunked", "hla2_xla_chunked", "ahla_xla_chunked", "hla3_xla_chunked")
+SMALL_TOKENS = {"jla_log_linear_simple_gla": 16384, "loglinear_mamba2_pallas_16k": 16384}
+LOGLINEAR_SETTINGS = [dict(block_v_bwd=64), dict(block_v_bwd=128), dict(block_v_bwd=32)]
 
 
 def timeit(fn, *args, repeats=10):
@@ -54,38 +105,21 @@ def timeit(fn, *args, repeats=10):
     return 1e3 * statistics.median(ts)
 
 
-def kernel_flops(B, T, shape, c=64, bv=64, bv_bwd=64):
-    """Matmul FLOPs the HLA2 kernels execute (value tiles repeat the ``S`` work): forward, and
-    forward+backward (= forward + ``states`` walk (counted as a forward) + ``dstates`` walk
-    (the six matmuls its state cotangents need) + chunk-parallel ``grads``)."""
-    H, d, dv = shape
-    heads_chunks = B * H * (-(-T // c))
-
-    def fwd(bv):
-        return 2 * (2 * c * c * d + 2 * c * d * d + c ** 3 + 3 * c * d * bv + 2 * c * c * bv) * (dv // bv)
-
-    def dstates(bv):
-        return 2 * (2 * c * c * bv + 2 * c * d * bv + c * c * d + 2 * c * d * d) * (dv // bv)
-
-    def grads(bv):
-        return 2 * (6 * c * c * d + 5 * c * d * d + 3 * c ** 3 + 7 * c * d * bv + 5 * c * c * bv) * (dv // bv)
-
-    f = heads_chunks * fwd(bv)
-    return f, 2 * f + heads_chunks * (dstates(bv_bwd) + grads(bv_bwd)), heads_chunks * fwd(dv)
-
-
 def inputs(B, T, shape, seed=0):
-    """``q, k, v, g, beta, lam, w`` (bf16 except the gates; λ with ⌈log2 T⌉+1 levels)."""
+    """``q, k, v, g, beta, lam, w``: bf16 q, k (unit rows), v, w and β ∈ (0.1, 0.9); float32
+    per-token log-decays ``g ∈ (−0.1, 0]`` and λ ∈ (0.5, 1.5) with ⌈log2 T⌉+1 levels."""
     H, d, dv = shape
-    rng = np.random.default_rng(seed)
-    q, k = (jnp.asarray(rng.normal(size=(B, T, H, d)) / np.sqrt(d), jnp.bfloat16) for _ in range(2))
-    v = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.bfloat16)
-    k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(jnp.bfloat16)
-    g = jnp.asarray(-rng.uniform(0.0, 0.1, (B, T, H)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.bfloat16)
-    lam = jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, fenwick.num_levels(T))), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.bfloat16)
-    return q, k, v, g, beta, lam, w
+    kq, kk, kv, kg, kb, kl, kw = jax.random.split(jax.random.key(seed), 7)
+
+    def unit(key):
+        x = jax.random.normal(key, (B, T, H, d), jnp.float32)
+        return (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+
+    return (unit(kq), unit(kk), jax.random.normal(kv, (B, T, H, dv), jnp.bfloat16),
+            -jax.random.uniform(kg, (B, T, H), jnp.float32, 0.0, 0.1),
+            jax.random.uniform(kb, (B, T, H), jnp.bfloat16, 0.1, 0.9),
+            jax.random.uniform(kl, (B, T, H, fenwick.num_levels(T)), jnp.float32, 0.5, 1.5),
+            jax.random.normal(kw, (B, T, H, dv), jnp.bfloat16))
 
 
 def fwd_bwd(fn):
@@ -95,136 +129,119 @@ def fwd_bwd(fn):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-SMALL_TOKENS = {"jla_log_linear_simple_gla": 16384, "loglinear_mamba2_pallas_16k": 16384}
+def _ready(fn):
+    """A method with nothing to import."""
+    return lambda: fn
 
 
-def hla_kernel(family, kw):
-    return lambda q, k, v, g, beta, lam: getattr(kernels, f"{family}_pallas")(q, k, v, g, **kw)
+def _op(name, impl):
+    """``ops.<name>(q, k, v, g, impl=impl)``."""
+    return _ready(lambda q, k, v, g, beta, lam: getattr(ops, name)(q, k, v, g, impl=impl))
 
 
-def methods(kws):
-    """``{name: fn(q, k, v, g, beta, lam)}``; ``kws[family]`` tunes ``<family>_pallas``."""
-    out = {
-        "hla2_pallas": hla_kernel("hla2", kws.get("hla2", {})),
-        "hla2_xla_chunked": lambda q, k, v, g, beta, lam: ops.hla2(q, k, v, g, impl="chunked"),
-        "ahla_pallas": hla_kernel("ahla", kws.get("ahla", {})),
-        "ahla_xla_chunked": lambda q, k, v, g, beta, lam: ops.ahla(q, k, v, g, impl="chunked"),
-        "hla3_pallas": hla_kernel("hla3", kws.get("hla3", {})),
-        "hla3_xla_chunked": lambda q, k, v, g, beta, lam: ops.hla3(q, k, v, g, impl="chunked"),
-        "loglinear_mamba2_pallas": family_kernel("loglinear_mamba2", kws.get("loglinear_mamba2", {})),
-        "loglinear_mamba2_xla_chunked": lambda q, k, v, g, beta, lam: ops.loglinear_mamba2(
-            q, k, v, g, lam, impl="chunked"),
-        "loglinear_gdn_pallas": lambda q, k, v, g, beta, lam: kernels.loglinear_gated_deltanet_pallas(
-            q, k, v, g, beta, lam),
-        "loglinear_gdn_xla_chunked": lambda q, k, v, g, beta, lam: ops.loglinear_gated_deltanet(
-            q, k, v, g, beta, lam, impl="chunked"),
-        "cudnn_causal": lambda q, k, v, g, beta, lam: jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation="cudnn"),
-    }
-    try:
+def _fused(op):
+    """The fused HLA kernel ``hla_jax.kernels.<op>.<op>_pallas`` (imported by ``make()``)."""
+    def make():
+        kernel = getattr(importlib.import_module(f"hla_jax.kernels.{op}"), f"{op}_pallas")
+        return lambda q, k, v, g, beta, lam: kernel(q, k, v, g)
+    return make
+
+
+def _jla(kind, impl, gates):
+    """``jla.ops.linear_attention(kind, …, scale=1.0)`` with the gates ``gates(q, g, beta, lam)``."""
+    def make():
         from jla.ops import linear_attention
-        from jla.ops.log_linear import num_levels as jla_levels
-    except ImportError as e:
-        print("jla not importable:", e)
-        return out
+        return lambda q, k, v, g, beta, lam: linear_attention(
+            kind, q, k, v, scale=1.0, impl=impl, **gates(q, g, beta, lam))[0]
+    return make
 
-    def jla_lam(lam, T):  # the wheel's own level count (λ = 1 on levels it has and we don't)
-        L = jla_levels(T)
-        return lam[..., :L] if lam.shape[-1] >= L else jnp.pad(
-            lam, ((0, 0),) * 3 + ((0, L - lam.shape[-1]),), constant_values=1.0)
 
-    out |= {
-        "jla_gated_deltanet": lambda q, k, v, g, beta, lam: linear_attention(
-            "gated_deltanet", q, k, v, g=g, beta=beta, impl="mosaic_gpu")[0],
-        "jla_simple_gla": lambda q, k, v, g, beta, lam: linear_attention(
-            "simple_gla", q, k, v, g=g, impl="mosaic_gpu")[0],
-        "jla_log_linear_simple_gla": lambda q, k, v, g, beta, lam: linear_attention(
-            "log_linear_simple_gla", q, k, v, g=g, level_scales=jla_lam(lam, q.shape[1]),
-            impl="chunked")[0],
-        "loglinear_mamba2_pallas_16k": out["loglinear_mamba2_pallas"],
+def _jla_level_scales(q, g, beta, lam):
+    """``g`` and λ with the wheel's own level count (λ = 1 on levels it has and we don't)."""
+    from jla.ops.log_linear import num_levels
+
+    L = num_levels(q.shape[1])
+    scales = lam[..., :L] if lam.shape[-1] >= L else jnp.pad(
+        lam, ((0, 0),) * 3 + ((0, L - lam.shape[-1]),), constant_values=1.0)
+    return dict(g=g, level_scales=scales)
+
+
+def methods(loglinear_kw=None):
+    """``{name: make}``: ``make()`` imports what the method needs (ImportError or AttributeError:
+    unavailable here) and returns its ``fn(q, k, v, g, beta, lam)``; ``loglinear_kw``: settings
+    of ``loglinear_mamba2_pallas`` (``--tune``)."""
+    loglinear = _ready(lambda q, k, v, g, beta, lam: kernels.loglinear_mamba2_pallas(
+        q, k, v, g, lam, **(loglinear_kw or {})))
+    return {
+        "mamba2_pallas": _op("mamba2", "pallas"),
+        **{f"{op}_pallas": _op(op, "pallas") for op in HLA},
+        "jla_simple_gla": _jla("simple_gla", "mosaic_gpu", lambda q, g, beta, lam: dict(g=g)),
+        "jla_gated_deltanet": _jla("gated_deltanet", "mosaic_gpu",
+                                   lambda q, g, beta, lam: dict(g=g, beta=beta)),
+        "cudnn_causal": _ready(lambda q, k, v, g, beta, lam: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn")),
+        **{f"{op}_fused": _fused(op) for op in HLA},
+        "mamba2_xla_chunked": _op("mamba2", "chunked"),
+        **{f"{op}_xla_chunked": _op(op, "chunked") for op in HLA},
+        "loglinear_mamba2_pallas": loglinear,
+        "loglinear_mamba2_pallas_16k": loglinear,
+        "loglinear_mamba2_xla_chunked": _ready(lambda q, k, v, g, beta, lam: ops.loglinear_mamba2(
+            q, k, v, g, lam, impl="chunked")),
+        "loglinear_gdn_pallas": _ready(lambda q, k, v, g, beta, lam:
+                                       kernels.loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam)),
+        "loglinear_gdn_xla_chunked": _ready(lambda q, k, v, g, beta, lam: ops.loglinear_gated_deltanet(
+            q, k, v, g, beta, lam, impl="chunked")),
+        "jla_log_linear_simple_gla": _jla("log_linear_simple_gla", "chunked", _jla_level_scales),
     }
-    return out
+
+
+def measure(name, fn, args, B, T, repeats):
+    """One result row: forward and forward+backward median ms (or the error), and the pair's
+    wall time, compiles included."""
+    row = dict(method=name, T=T, B=B)
+    t0 = time.perf_counter()
+    try:
+        row["fwd_ms"] = timeit(jax.jit(fn), *args[:6], repeats=repeats)
+        row["fwd_bwd_ms"] = timeit(fwd_bwd(fn), *args, repeats=repeats)
+    except Exception as e:  # record it, go on with the next pair
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    row["wall_s"] = time.perf_counter() - t0
+    return row
 
 
 def matmul_tflops(n=8192):
     """TFLOP/s of a bf16 ``n×n @ n×n`` matmul."""
-    a = jnp.asarray(np.random.default_rng(1).normal(size=(n, n)), jnp.bfloat16)
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     ms = timeit(jax.jit(lambda x, y: x @ y), a, a)
     return 2 * n ** 3 / ms / 1e9
 
 
-# kernel settings tried by --tune, per family
-_HLA_KEYS = ("block_v", "block_v_bwd", "num_warps", "num_warps_bwd", "parallel_forward")
-SETTINGS = {
-    "hla2": [dict(zip(_HLA_KEYS, x)) for x in
-             [(64, 128, 8, 8, True), (64, 128, 8, 16, True), (64, 64, 8, 8, True), (64, 128, 8, 4, True)]]
-    + [dict(chunk_size=32, block_v=64, block_v_bwd=128, num_warps=4, num_warps_bwd=4, parallel_forward=True)],
-    "ahla": [dict(zip(_HLA_KEYS, x)) for x in [(64, 64, 8, 8, False), (64, 128, 8, 8, False)]],
-    "hla3": [dict(zip(_HLA_KEYS, x)) for x in [(64, 128, 8, 8, True), (64, 64, 8, 8, True)]],
-    "loglinear_mamba2": [dict(block_v_bwd=64), dict(block_v_bwd=128), dict(block_v_bwd=32)],
-}
-
-
-def family_kernel(family, kw):
-    if family == "loglinear_mamba2":
-        return lambda q, k, v, g, beta, lam: kernels.loglinear_mamba2_pallas(q, k, v, g, lam, **kw)
-    return hla_kernel(family, kw)
-
-
-def tune(T, tokens, repeats, families, shape):
-    """Time ``SETTINGS`` of each family at one ``T``; ``{family: fastest fwd+bwd's kw}``."""
-    B = tokens // T
+def tune(T, tokens, repeats, shape):
+    """Time ``LOGLINEAR_SETTINGS`` of ``loglinear_mamba2_pallas`` at one ``T``; the fastest
+    forward+backward's settings (``{}`` if none ran)."""
+    B = max(tokens // T, 1)
     args = inputs(B, T, shape)
-    picked = {}
-    for family in families:
-        best = (float("inf"), None)
-        for kw in SETTINGS[family]:
-            fn = family_kernel(family, kw)
-            try:
-                t0 = time.perf_counter()
-                f = timeit(jax.jit(fn), *args[:6], repeats=repeats)
-                fb = timeit(fwd_bwd(fn), *args, repeats=repeats)
-                print(f"tune {family} T={T} {kw}: fwd {f:.2f} ms  fwd+bwd {fb:.2f} ms "
-                      f"(with compiles {time.perf_counter() - t0:.0f} s)", flush=True)
-                best = min(best, (fb, kw), key=lambda x: x[0])
-            except Exception as e:
-                print(f"tune {family} T={T} {kw}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        if best[1]:
-            picked[family] = best[1]
-    return picked
+    best = (float("inf"), {})
+    for kw in LOGLINEAR_SETTINGS:
+        row = measure("loglinear_mamba2_pallas", methods(kw)["loglinear_mamba2_pallas"](), args, B, T,
+                      repeats)
+        print(f"tune {kw}: {summary(row)}", flush=True)
+        if "fwd_bwd_ms" in row:
+            best = min(best, (row["fwd_bwd_ms"], kw), key=lambda x: x[0])
+    return best[1]
 
 
-def phases(family, kw, T, tokens, repeats, shape):
-    """Median ms of each HLA kernel of ``family`` on its own (forward walk, ``states``,
-    ``outputs``, ``dstates``, ``grads``) with settings ``kw``, bf16, no gate."""
-    from hla_jax.kernels import wrap
-
-    B = tokens // T
-    q, k, v, *_ = inputs(B, T, shape)
-    kw = dict(SETTINGS[family][0]) | kw
-    cfg = wrap.Config(family, 64, kw["block_v"], kw["block_v_bwd"], kw["num_warps"], kw["num_warps_bwd"])
-    mod = wrap.kernels(cfg)
-    b = jnp.zeros((B, shape.H, T), jnp.float32)
-    cpu = jax.default_backend() == "cpu"  # interpret mode: a smoke test only
-    fw = dict(c=64, bv=cfg.bv_fwd, num_warps=cfg.warps_fwd, interpret=cpu)
-    bw = dict(c=64, bv=cfg.bv_bwd, num_warps=cfg.warps_bwd, interpret=cpu)
-    saved = jax.block_until_ready(mod.states(q, k, v, b, **fw))
-    do = v
-    dsaved = jax.block_until_ready(mod.dstates(q, k, v, b, *(saved if family in wrap.BILINEAR else ()),
-                                               do, **bw))
-    out = {"forward": timeit(lambda: mod.forward(q, k, v, b, **fw), repeats=repeats),
-           "states": timeit(lambda: mod.states(q, k, v, b, **fw), repeats=repeats),
-           "outputs": timeit(lambda: mod.outputs(q, k, v, b, *saved, **fw), repeats=repeats),
-           "dstates": timeit(lambda: mod.dstates(q, k, v, b, *(saved if family in wrap.BILINEAR else ()),
-                                                 do, **bw), repeats=repeats),
-           "grads": timeit(lambda: mod.grads(q, k, v, b, *saved, do, *dsaved, **bw), repeats=repeats)}
-    print(f"phases {family} T={T} {kw}: " + "  ".join(f"{n} {t:.2f} ms" for n, t in out.items()),
-          flush=True)
-    return out
+def summary(row) -> str:
+    """One line of a row, for the log."""
+    head = f"{row['method']} T={row['T']} B={row['B']}:"
+    if "error" in row:
+        return f"{head} {row['error']} ({row['wall_s']:.0f} s)"
+    return (f"{head} fwd {row['fwd_ms']:.2f} ms, fwd+bwd {row['fwd_bwd_ms']:.2f} ms "
+            f"({row['wall_s']:.0f} s with compiles)")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--T", default="2048,8192,32768,65536")
     p.add_argument("--shape", default="16,128,128",
                    help="H,d,dv (e.g. Mamba-2's 48,128,64: 48 heads, state 128, head dim 64)")
@@ -232,78 +249,89 @@ def main(argv=None):
     p.add_argument("--matmul_n", type=int, default=8192, help="size of the reference bf16 matmul")
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--tune", type=int, default=0, help="first pick HLA kernel settings at this T")
-    p.add_argument("--tune_families", default="hla2,ahla,hla3,loglinear_mamba2")
-    p.add_argument("--phases", default="", help="time each kernel of these HLA families on its own")
+    p.add_argument("--tune", type=int, default=0,
+                   help="first pick loglinear_mamba2_pallas's settings at this T")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated methods to run")
     p.add_argument("--skip", default="", help="comma-separated methods to leave out")
-    p.add_argument("--methods", default="", help="comma-separated methods to run (default: all)")
-    p.add_argument("--budget", type=float, default=0, help="seconds; 0 = no limit")
-    p.add_argument("--block_v", type=int, help="hla2_pallas setting (default: the library's)")
-    p.add_argument("--block_v_bwd", type=int, help="hla2_pallas setting (default: the library's)")
-    p.add_argument("--num_warps", type=int, help="hla2_pallas setting (default: the library's)")
-    p.add_argument("--num_warps_bwd", type=int, help="hla2_pallas setting (default: the library's)")
-    p.add_argument("--parallel_forward", type=int, choices=(0, 1),
-                   help="hla2_pallas setting (default: the library's)")
+    p.add_argument("--budget", type=float, default=0,
+                   help="seconds; no new (method, T) pair starts after it (0 = no limit)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--merge", default="",
                    help="comma-separated result JSONs of runs at one shape: write them as one <name> "
                         "table (nothing is run)")
     a = p.parse_args(argv)
     if a.merge:
-        return write(merge(a.merge.split(",")), a.out, a.name)
+        return write(merge(a.merge.split(",")), a.out, a.name, show=True)
     shape = Shape(*(int(x) for x in a.shape.split(",")))
-    defaults = {n: x.default for n, x in inspect.signature(kernels.hla2_pallas).parameters.items()}
-    kws = {"hla2": {n: defaults[n] if getattr(a, n) is None else type(defaults[n])(getattr(a, n))
-                    for n in _HLA_KEYS}}
-    if a.tune:
-        kws |= tune(a.tune, a.tokens, a.repeats, a.tune_families.split(","), shape)
-    phase_ms = {f: phases(f, kws.get(f, {}), a.tune or 8192, a.tokens, a.repeats, shape)
-                for f in a.phases.split(",") if f}
+    tuned = tune(a.tune, a.tokens, a.repeats, shape) if a.tune else {}
+    known = methods(tuned)
+    names = [n for n in a.methods.split(",") if n and n not in a.skip.split(",")]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; known: {list(known)}")
+    fns, unavailable = {}, {}
+    for n in names:
+        try:
+            fns[n] = known[n]()
+        except (ImportError, AttributeError) as e:
+            unavailable[n] = f"{type(e).__name__}: {e}"
+            print(f"{n} unavailable, skipped: {unavailable[n]}", flush=True)
     mm = matmul_tflops(a.matmul_n)
     print(f"bf16 matmul {a.matmul_n}^3: {mm:.0f} TFLOP/s", flush=True)
-    rows, t_start = [], time.perf_counter()
-    chosen = methods(kws)
-    if a.methods:
-        chosen = {n: f for n, f in chosen.items() if n in a.methods.split(",")}
-    for T in (int(t) for t in a.T.split(",")):
-        data = {}
-        for name, fn in chosen.items():
-            if name in a.skip.split(","):
+    res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, H=shape.H, d=shape.d,
+               dv=shape.dv, tokens=a.tokens, dtype="bfloat16", repeats=a.repeats, matmul_tflops=mm,
+               loglinear_settings=tuned, unavailable=unavailable, rows=[])
+    Ts = [int(t) for t in a.T.split(",")]
+    targeted = {n for t in TARGETS for n in (t.num, t.den)}
+    order = list(fns)
+    pairs = sorted(((T, n) for T in Ts for n in order),
+                   key=lambda x: (x[1] not in targeted, Ts.index(x[0]), order.index(x[1])))
+    t_start, current = time.perf_counter(), {}
+    for i, (T, name) in enumerate(pairs):
+        if a.budget and time.perf_counter() - t_start > a.budget:
+            print(f"budget of {a.budget:.0f} s spent: {len(pairs) - i} (method, T) pairs not run: "
+                  + ", ".join(f"{n}@{t}" for t, n in pairs[i:]), flush=True)
+            break
+        B = max(SMALL_TOKENS.get(name, a.tokens) // T, 1)
+        if (B, T) not in current:  # one input set on the device at a time
+            current = {(B, T): inputs(B, T, shape)}
+        row = measure(name, fns[name], current[(B, T)], B, T, a.repeats)
+        res["rows"].append(row)
+        print(summary(row), flush=True)
+        write(res, a.out, a.name)
+    write(res, a.out, a.name, show=True)
+
+
+def ratios(res) -> list[dict]:
+    """Every target at every T it applies to where one of its methods ran: the forward and
+    forward+backward time ratios (None where a side is missing) and whether each meets it."""
+    Ts = sorted({r["T"] for r in res["rows"]})
+    cell = {(r["method"], r["T"]): r for r in res["rows"]}
+    out = []
+    for t in TARGETS:
+        for T in [T for T in Ts if t.T in (None, T)]:
+            num, den = cell.get((t.num, T), {}), cell.get((t.den, T), {})
+            if not (num or den):
                 continue
-            if a.budget and time.perf_counter() - t_start > a.budget:
-                print(f"budget of {a.budget:.0f} s spent: {name} at T={T} and later not run", flush=True)
-                break
-            tokens = SMALL_TOKENS.get(name, a.tokens)
-            B = max(tokens // T, 1)
-            args = data[B] = data.get(B) or inputs(B, T, shape)
-            row = dict(method=name, T=T, B=B)
-            try:
-                row["fwd_ms"] = timeit(jax.jit(fn), *args[:6], repeats=a.repeats)
-                row["fwd_bwd_ms"] = timeit(fwd_bwd(fn), *args, repeats=a.repeats)
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            if name == "hla2_pallas" and "fwd_ms" in row:
-                f, fb, useful = kernel_flops(B, T, shape, bv=kws["hla2"]["block_v"],
-                                             bv_bwd=kws["hla2"]["block_v_bwd"])
-                row["fwd_tflops"] = f / row["fwd_ms"] / 1e9
-                row["fwd_bwd_tflops"] = fb / row["fwd_bwd_ms"] / 1e9
-                row["fwd_tflops_useful"] = useful / row["fwd_ms"] / 1e9
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, H=shape.H, d=shape.d, dv=shape.dv,
-               tokens=a.tokens, dtype="bfloat16", matmul_tflops=mm, kernel_settings=kws, phases_ms=phase_ms,
-               rows=rows)
-    write(res, a.out, a.name)
+            row = dict(ratio=t.ratio, cmp=t.cmp, bound=t.bound, T=T)
+            for key in ("fwd_ms", "fwd_bwd_ms"):
+                x = num[key] / den[key] if key in num and key in den else None
+                row[key.replace("_ms", "")] = x
+                row[key.replace("_ms", "_met")] = None if x is None else COMPARE[t.cmp][0](x, t.bound)
+            out.append(row)
+    return out
 
 
-def write(res, out, name):
+def write(res, out, name, show=False):
+    res = dict(res, ratios=ratios(res))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(res, f, indent=1)
     md = table(res)
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(md)
-    print(md)
+    if show:
+        print(md)
 
 
 def merge(paths):
@@ -315,16 +343,19 @@ def merge(paths):
         if any(part[k] != parts[0][k] for k in keys):
             raise ValueError(f"--merge: {p} is not at the shape of {paths[0]} ({keys})")
     return dict(parts[0], matmul_tflops=statistics.median(p["matmul_tflops"] for p in parts),
-                merged=[os.path.basename(p) for p in paths], rows=[r for p in parts for r in p["rows"]])
+                merged=[os.path.basename(p) for p in paths],
+                unavailable={k: v for p in parts for k, v in p.get("unavailable", {}).items()},
+                rows=[r for p in parts for r in p["rows"]])
 
 
 def table(res):
-    """Markdown: one row per method, ``fwd / fwd+bwd`` ms per T, then the kernel's rates."""
+    """Markdown: one row per method (``fwd / fwd+bwd`` ms per T), then the targets."""
     Ts = sorted({r["T"] for r in res["rows"]})
     names = list(dict.fromkeys(r["method"] for r in res["rows"]))
     cell = {(r["method"], r["T"]): r for r in res["rows"]}
     lines = [f"{res['device']}, jax {res['jax']}, bf16, H={res['H']}, d={res['d']}, dv={res['dv']}, "
-             f"B·T={res['tokens']}; median ms, fwd / fwd+bwd; bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s",
+             f"B·T={res['tokens']}; q, k L2-normalised, per-token gates; median ms, fwd / fwd+bwd; "
+             f"bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s",
              "", "| method | " + " | ".join(f"T={T}" for T in Ts) + " |",
              "|---" * (len(Ts) + 1) + "|"]
     for n in names:
@@ -334,14 +365,17 @@ def table(res):
             cs.append(f"{r['fwd_ms']:.2f} / {r['fwd_bwd_ms']:.2f}" if "fwd_bwd_ms" in r else
                       "error" if "error" in r else "–")
         small = f" (B·T={SMALL_TOKENS[n]})" if n in SMALL_TOKENS else ""
-        small += " †" if any(r.get("run") == "earlier" for r in res["rows"] if r["method"] == n) else ""
         lines.append(f"| {n}{small} | " + " | ".join(cs) + " |")
-    for n in (n for n in names if n.startswith("hla2_pallas")):
-        for key in ("fwd_tflops", "fwd_bwd_tflops"):
-            cs = [f"{cell[(n, T)][key]:.0f}" if key in cell.get((n, T), {}) else "–" for T in Ts]
-            lines.append(f"| {n} {key.replace('_tflops', '')} TFLOP/s | " + " | ".join(cs) + " |")
-    if any(r.get("run") == "earlier" for r in res["rows"]):
-        lines += ["", f"† from an earlier run of this script on the same machine ({res.get('earlier', '')})"]
+    if res.get("unavailable"):
+        lines += ["", "Unavailable here: " + ", ".join(sorted(res["unavailable"]))]
+    if res["ratios"]:
+        lines += ["", "Targets: ratio of median times at the same T (one run), forward and "
+                  "forward+backward.", "", "| ratio | target | T | fwd | fwd+bwd |", "|---|---|---|---|---|"]
+    for r in res["ratios"]:
+        cs = ["–" if r[k] is None else f"{r[k]:.2f} {'met' if r[k + '_met'] else 'missed'}"
+              for k in ("fwd", "fwd_bwd")]
+        lines.append(f"| {r['ratio']} | {COMPARE[r['cmp']][1]} {r['bound']:g} | {r['T']} | "
+                     + " | ".join(cs) + " |")
     return "\n".join(lines) + "\n"
 
 

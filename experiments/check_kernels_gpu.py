@@ -1,13 +1,33 @@
-"""Every Pallas kernel vs the quadratic reference on the GPU: outputs and all gradients.
+"""Every Pallas kernel vs the quadratic reference on the GPU: outputs, final states and all gradients.
 
-    python experiments/check_kernels_gpu.py [--kernels hla2,ahla] [--cases 0,3] [--f32_tile 32] [--out DIR]
+    python experiments/check_kernels_gpu.py [--kernels mamba2,la_pallas] [--cases 0,3] [--f32_tile 32]
+                                            [--name kernels_check_gpu] [--out DIR]
+    # in two shorter runs, each with its own results file:
+    python experiments/check_kernels_gpu.py --kernels mamba2,la_pallas,hla2,ahla,hla3
+    python experiments/check_kernels_gpu.py --kernels loglinear_mamba2,loglinear_gated_deltanet \
+        --name kernels_check_gpu_loglinear
 
-Kernels: ``hla2``, ``ahla``, ``hla3`` (causal), ``loglinear_mamba2``, ``loglinear_gated_deltanet``
-(``hla_jax.kernels.<name>_pallas``, compiled, not interpreted).  Gradients of ``sum(o·w)`` with
-respect to every differentiable input (q, k, v, g, and β, λ where the operator has them).
-float32 inputs must agree to relative error 2e-3; bf16 inputs (compared with the float32
-reference on the same bf16-rounded values) to 3e-2.  Prints one line per case and writes
-``kernels_check_gpu.json`` (and ``.txt``) to ``--out`` (default experiments/results).
+Kernels (``CASES``), compiled, not interpreted:
+
+- ``mamba2``: ``ops.mamba2(impl="pallas")``, i.e. the first-order kernel ``kernels.la_pallas``;
+- ``la_pallas``: ``kernels.la_pallas`` directly, from an initial state and returning the final
+  state (``backend`` its default or as the case names it);
+- ``hla2``, ``ahla``, ``hla3`` (causal): ``ops.<op>(impl="pallas")``, the SPEC §7 chains of two
+  ``la_pallas`` calls, with and without ratio normalisation;
+- ``loglinear_mamba2``, ``loglinear_gated_deltanet``: ``kernels.<name>_pallas``.
+
+Gates ``g``: per token (``token``), per head (``head``), none, or per token with −∞ entries
+(``reset``: in batch element 0 only, at chunk boundaries and at random, so the other element
+keeps its initial state's term).  Gradients of ``sum(o·w)`` (plus ``sum(h_T·w')`` for the final
+state) with respect to every differentiable input (q, k, v, g, the initial state, and β, λ where
+the operator has them).  The reference runs in float64 (``jax.enable_x64``) on the same inputs:
+``reference.linear_attention``, plus ``D(t,−1) q_tᵀ H0`` and ``H_T = Σ_s D(T−1,s) k_s v_sᵀ +
+D(T−1,−1) H0`` for ``la_pallas`` (``la_with_state``), and ``hla_jax.ops.reference.<op>``
+otherwise.  Every output and gradient records its max abs and relative (Frobenius) error; a case
+passes when every relative error is at most 2e-3 for float32 inputs, 3e-2 for bf16 (compared on
+the same bf16-rounded values).  Prints one line per case as it finishes and rewrites
+``<name>.json`` (and ``.txt``) in ``--out`` (default experiments/results) after each; the exit
+code is non-zero if any case failed.
 """
 
 from __future__ import annotations
@@ -15,83 +35,168 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hla_jax import kernels
+from hla_jax import kernels, ops
 from hla_jax.kernels import wrap
 from hla_jax.ops import fenwick, reference
 
 HLA = ("hla2", "ahla", "hla3")
-CASES = [  # kernel, B, T, H, d, dv, gate, normalize, dtype
-    *[(n, 2, 300, 2, 64, 64, "token", False, "float32") for n in HLA],
-    *[(n, 1, 700, 2, 128, 128, "token", True, "float32") for n in HLA],
-    *[(n, 1, 513, 3, 128, 96, None, False, "float32") for n in HLA],
-    *[(n, 2, 1000, 2, 128, 128, "head", False, "bfloat16") for n in HLA],
-    *[(n, B, T, 2, 128, dv, "token", False, dt) for n in ("loglinear_mamba2", "loglinear_gated_deltanet")
+LOGLINEAR = ("loglinear_mamba2", "loglinear_gated_deltanet")
+RESETS = (64, 127, 500)  # positions of −∞ log-decays in a "reset" gate (chunk starts and ends)
+
+
+class Case(NamedTuple):
+    kernel: str
+    B: int
+    T: int
+    H: int
+    d: int
+    dv: int
+    gate: str | None  # "token" | "head" | "reset" | None
+    normalize: bool
+    dtype: str
+    backend: str | None = None  # la_pallas's (None: its default)
+
+
+CASES = [
+    *[Case("mamba2", 2, 1000, 2, 128, 128, "reset", False, dt) for dt in ("bfloat16", "float32")],
+    *[Case("la_pallas", 2, 1000, 2, 128, dv, "reset", False, dt)
+      for dv, dt in ((128, "bfloat16"), (256, "bfloat16"), (256, "float32"))],
+    *[Case(n, 2, 1000, 2, 128, 128, "token", False, "bfloat16") for n in HLA],
+    *[Case(n, 1, 700, 2, 128, 128, "token", True, "float32") for n in HLA],
+    *[Case(n, 2, 300, 2, 64, 64, "reset", False, "float32") for n in HLA],
+    Case("hla2", 1, 513, 3, 128, 96, None, False, "float32"),
+    *[Case(n, B, T, 2, 128, dv, "token", False, dt) for n in LOGLINEAR
       for B, T, dv, dt in ((2, 300, 64, "float32"), (1, 1000, 128, "float32"), (2, 1000, 128, "bfloat16"))],
 ]
 
 
-def rel(a, b):
+def errors(a, b) -> dict:
+    """Max abs and relative (Frobenius) error of ``a`` against ``b`` (inf where ``a`` is not finite)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b)) if np.all(np.isfinite(a)) else float("inf")
+    if not np.all(np.isfinite(a)):
+        return {"max": float("inf"), "rel": float("inf")}
+    return {"max": float(np.max(np.abs(a - b))), "rel": float(np.linalg.norm(a - b) / np.linalg.norm(b))}
 
 
-def operands(rng, name, B, T, H, d, dv, gate, dtype):
+def operands(rng, case):
     """``(args, names)``: the operator's positional inputs (keys L2-normalised and β in (0, 1)
-    for Gated DeltaNet, λ with ⌈log2 T⌉+1 levels for the log-linear ones)."""
-    dt = jnp.dtype(dtype)
+    for Gated DeltaNet, λ with ⌈log2 T⌉+1 levels for the log-linear ones, the initial state last
+    for ``la_pallas``)."""
+    B, T, H, d, dv = case.B, case.T, case.H, case.d, case.dv
+    dt = jnp.dtype(case.dtype)
     q, k = (rng.normal(size=(B, T, H, d)) / np.sqrt(d) for _ in range(2))
-    if name == "loglinear_gated_deltanet":
+    if case.kernel == "loglinear_gated_deltanet":
         k = k / np.linalg.norm(k, axis=-1, keepdims=True)
     args = [jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(rng.normal(size=(B, T, H, dv)), dt)]
     names = ["q", "k", "v"]
-    if gate is not None:
-        shape = (H,) if gate == "head" else (B, T, H)
-        args.append(jnp.asarray(-rng.uniform(0, 0.2, shape), jnp.float32))
+    if case.gate is not None:
+        shape = (H,) if case.gate == "head" else (B, T, H)
+        g = -rng.uniform(0, 0.2, shape)
+        if case.gate == "reset":
+            g[0, [t for t in RESETS if t < T]] = -np.inf
+            g[0][rng.random((T, H)) < 0.005] = -np.inf
+        args.append(jnp.asarray(g, jnp.float32))
         names.append("g")
-    if name == "loglinear_gated_deltanet":
+    if case.kernel == "loglinear_gated_deltanet":
         args.append(jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.float32))
         names.append("beta")
-    if name.startswith("loglinear"):
+    if case.kernel in LOGLINEAR:
         args.append(jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, fenwick.num_levels(T))), jnp.float32))
         names.append("lam")
+    if case.kernel == "la_pallas":
+        args.append(jnp.asarray(rng.normal(size=(B, H, d, dv)), jnp.float32))
+        names.append("h0")
     return args, names
 
 
-def run_case(rng, name, B, T, H, d, dv, gate, normalize, dtype):
-    args, names = operands(rng, name, B, T, H, d, dv, gate, dtype)
-    w = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.float32)
+def la_with_state(q, k, v, g, h0):
+    """``(o, h_T)`` of LA from the state ``h0`` (the dtype of the inputs, float64 here):
+    ``o_t = reference.linear_attention(q, k, v, g)_t + D(t,−1) q_tᵀ h0`` and
+    ``h_T = Σ_s D(T−1,s) k_s v_sᵀ + D(T−1,−1) h0``; the log-decays are sums, never differences,
+    so −∞ entries stay exact."""
+    from_start = jnp.cumsum(g, axis=1)  # log D(t, −1)
+    to_end = jnp.flip(jnp.cumsum(jnp.flip(g, 1), axis=1), 1)  # Σ_{r >= s} g_r
+    to_end = jnp.concatenate([to_end[:, 1:], jnp.zeros_like(g[:, :1])], 1)  # log D(T−1, s)
+    o = reference.linear_attention(q, k, v, g) + jnp.exp(from_start)[..., None] * jnp.einsum(
+        "bthd,bhdv->bthv", q, h0)
+    hT = jnp.einsum("bth,bthd,bthv->bhdv", jnp.exp(to_end), k, v) + jnp.exp(
+        from_start[:, -1])[..., None, None] * h0
+    return o, hT
+
+
+def kernel_fn(case):
+    """The kernel under test as ``f(*args) -> tuple of outputs``."""
+    if case.kernel == "mamba2":
+        return lambda q, k, v, g: (ops.mamba2(q, k, v, g, impl="pallas"),)
+    if case.kernel == "la_pallas":
+        return lambda q, k, v, g, h0: kernels.la_pallas(q, k, v, g, initial_state=h0, return_final_state=True,
+                                                        backend=case.backend)
+    if case.kernel in HLA:
+        return lambda *a: (getattr(ops, case.kernel)(*a, normalize=case.normalize, eps=1e-6, impl="pallas"),)
+    return lambda *a: (getattr(kernels, f"{case.kernel}_pallas")(*a),)
+
+
+def reference_fn(case):
+    """The quadratic reference as ``f(*args) -> tuple of outputs``."""
+    if case.kernel == "mamba2":
+        return lambda q, k, v, g: (reference.linear_attention(q, k, v, g),)
+    if case.kernel == "la_pallas":
+        return la_with_state
+    if case.kernel in HLA:
+        def hla(q, k, v, g=None):  # the oracles take [B,T,H] gates
+            g = None if g is None else jnp.broadcast_to(g, q.shape[:3])
+            return (getattr(reference, case.kernel)(q, k, v, g, normalize=case.normalize, eps=1e-6),)
+        return hla
+    return lambda *a: (getattr(reference, case.kernel)(*a),)
+
+
+def run_case(rng, case) -> dict:
+    """``{output or gradient: {"max", "rel"}}`` of the kernel against the float64 reference."""
+    args, names = operands(rng, case)
+    ker, ref = kernel_fn(case), reference_fn(case)
     argnums = tuple(range(len(args)))
-    kw = dict(normalize=normalize, eps=1e-6) if name in HLA else {}
-    oracle = getattr(reference, name)
 
-    def ref(*a):
-        a = [x.astype(jnp.float32) for x in a]
-        if name in HLA and len(a) == 4:  # the oracles take [B,T,H] gates
-            a[3] = jnp.broadcast_to(a[3], a[0].shape[:3])
-        return oracle(*a, **kw)
+    def loss(fn, weights):
+        return lambda *a: sum(jnp.sum(o * w) for o, w in zip(fn(*a), weights))
 
-    ker = lambda *a: getattr(kernels, f"{name}_pallas")(*a, **kw)
+    outs = jax.jit(ker)(*args)
+    weights = [rng.normal(size=o.shape) for o in outs]
+    grads = jax.jit(jax.grad(loss(ker, [jnp.asarray(w, jnp.float32) for w in weights]), argnums))(*args)
+    got = [np.asarray(x).astype(np.float64) for x in (*outs, *grads)]
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(np.asarray(x).astype(np.float64)) for x in args]
+        ref_outs = jax.jit(ref)(*wide)
+        ref_grads = jax.jit(jax.grad(loss(ref, [jnp.asarray(w) for w in weights]), argnums))(*wide)
+        want = [np.asarray(x) for x in (*ref_outs, *ref_grads)]
+    labels = ["out", "state"][:len(outs)] + ["d" + n for n in names]
+    return {n: errors(a, b) for n, a, b in zip(labels, got, want)}
 
-    def loss(fn):
-        return lambda *a: jnp.sum(fn(*a) * w)
 
-    out = {"out": rel(jax.jit(ker)(*args), jax.jit(ref)(*args))}
-    gk = jax.jit(jax.grad(loss(ker), argnums))(*args)
-    gr = jax.jit(jax.grad(loss(ref), argnums))(*args)
-    for n, a, b in zip(names, gk, gr):
-        out["d" + n] = rel(a, b)
-    return out
+def label(case) -> str:
+    """``kernel B=… T=… …``: the case's fields that are set."""
+    c = case._asdict()
+    return " ".join([c.pop("kernel")] + [f"{k}={v}" for k, v in c.items() if v not in (None, False)])
+
+
+def report(case, tol, passed, errs, seconds) -> str:
+    """The case's line: verdict, case, and per output and gradient its relative (max abs) error."""
+    cells = [f"{n}={e['rel']:.2e} (max {e['max']:.1e})" if isinstance(e, dict) else f"{n}={e}"
+             for n, e in errs.items()]
+    return f"{'PASS' if passed else 'FAIL'} {label(case)} tol={tol:g} {' '.join(cells)} ({seconds:.0f} s)"
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--name", default="kernels_check_gpu", help="results go to <out>/<name>.{json,txt}")
     p.add_argument("--kernels", default="", help="comma-separated kernel names (default: all)")
     p.add_argument("--cases", default="", help="comma-separated case indices (default: all)")
     p.add_argument("--f32_tile", type=int, default=-1,
@@ -102,35 +207,33 @@ def main():
         wrap.F32_GPU_TILE = dict.fromkeys(wrap.F32_GPU_TILE, a.f32_tile or 1 << 30)
     picked = [CASES[int(i)] for i in a.cases.split(",")] if a.cases else CASES
     if a.kernels:
-        picked = [c for c in picked if c[0] in a.kernels.split(",")]
+        picked = [c for c in picked if c.kernel in a.kernels.split(",")]
     rng = np.random.default_rng(0)
     rows, lines, ok = [], [], True
     for case in picked:
         t0 = time.perf_counter()
-        tol = 2e-3 if case[-1] == "float32" else 3e-2
+        tol = 2e-3 if case.dtype == "float32" else 3e-2
         try:
-            errs = run_case(rng, *case)
-            passed = all(e <= tol for e in errs.values())
+            errs = run_case(rng, case)
+            passed = all(e["rel"] <= tol for e in errs.values())
         except Exception as e:  # record the failure, keep checking the other cases
             errs, passed = {"error": f"{type(e).__name__}: {str(e)[:400]}"}, False
         ok &= passed
-        rows.append(dict(case=dict(zip("kernel B T H d dv gate normalize dtype".split(), case)),
-                         tol=tol, passed=passed, errors=errs))
-        lines.append(f"{'PASS' if passed else 'FAIL'} {case} tol={tol:g} " +
-                     " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
-                              for k, v in errs.items()) + f" ({time.perf_counter() - t0:.0f} s)")
+        rows.append(dict(case=case._asdict(), tol=tol, passed=passed, errors=errs))
+        lines.append(report(case, tol, passed, errs, time.perf_counter() - t0))
         print(lines[-1], flush=True)
-        write(a.out, rows, lines, ok)  # after every case: a run cut short keeps what it checked
-    print(write(a.out, rows, lines, ok))
+        write(a.out, a.name, rows, lines, ok)  # after every case: a run cut short keeps what it checked
+    print(write(a.out, a.name, rows, lines, ok))
+    sys.exit(0 if ok else 1)
 
 
-def write(out, rows, lines, ok) -> str:
+def write(out, name, rows, lines, ok) -> str:
     info = (f"device={jax.devices()[0].device_kind} jax={jax.__version__} "
             f"f32_tile={wrap.F32_GPU_TILE} all_passed={ok}")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "kernels_check_gpu.json"), "w") as f:
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(dict(info=info, cases=rows), f, indent=1)
-    with open(os.path.join(out, "kernels_check_gpu.txt"), "w") as f:
+    with open(os.path.join(out, f"{name}.txt"), "w") as f:
         f.write("\n".join(lines + [info]) + "\n")
     return info
 

@@ -1,14 +1,18 @@
 """Training throughput of ~150M-parameter byte LMs at long context, one mixer per process.
 
-    python experiments/train_throughput.py                          # the H200 run of the README
-    python experiments/train_throughput.py --mixers softmax,hla2 --seq_len 8192 --steps 100
-    python experiments/train_throughput.py --mixers ahla,hla3 --impl pallas   # with the kernels
+    python experiments/train_throughput.py                          # softmax, hla2, mamba2
+    python experiments/train_throughput.py --mixers softmax,hla2,mamba2,ahla,loglinear_mamba2
+    python experiments/train_throughput.py --mixers hla2 --seq_len 16384 --batch 2 --steps 100
+    python experiments/train_throughput.py --budget 270 --timeout 200   # fits an 8-minute slot
 
 Each mixer trains ``--steps`` steps of ``configs/lm.py`` (d_model 1024, 12 layers, 8 heads of
 128, bf16 compute, float32 parameters and optimizer state) on the embedded corpus, in its own
-process (so peak memory is per mixer). Recorded: tokens/s and MFU from the trainer's meter
-(compilation excluded; MFU from ``hla_jax.nn.flops_per_token`` against the bf16 dense peak),
-peak device memory, final loss. Results: ``experiments/results/train_throughput_<device>.json``.
+process (so peak memory is per mixer), with ``model.impl = --impl`` ("auto": the Pallas kernels
+on a GPU for bf16, ``common.pallas_preferred``). Recorded: tokens/s and MFU from the trainer's
+meter (the first step, with its compilation, excluded; MFU from ``hla_jax.nn.flops_per_token``
+against the bf16 dense peak), peak device memory, final loss. ``--budget`` seconds: no new mixer
+starts after it. Results: ``experiments/results/train_throughput_<device>.json``, rewritten after
+every mixer (rows of other mixers from earlier runs are kept).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_MIXERS = "softmax,hla2,ahla,loglinear_mamba2,loglinear_gated_deltanet"
+DEFAULT_MIXERS = "softmax,hla2,mamba2"
 
 
 def run_one(a) -> dict:
@@ -42,7 +46,7 @@ def run_one(a) -> dict:
                    max_seq_len=max(a.seq_len, 2048), impl=a.impl)
     c.data.update(seq_len=a.seq_len, batch_size=a.batch)
     c.optim.update(warmup_steps=10)
-    c.train.update(num_steps=a.steps, log_every=a.steps // 2, eval_every=0, eval_steps=0,
+    c.train.update(num_steps=a.steps, log_every=max(a.steps // 2, 1), eval_every=0, eval_steps=0,
                    sample_tokens=0, checkpoint_every=0, async_checkpoint=False, progress_bar=True,
                    tensorboard=False)
     with tempfile.TemporaryDirectory() as workdir:
@@ -64,60 +68,86 @@ def main():
     p.add_argument("--mixers", default=DEFAULT_MIXERS)
     p.add_argument("--seq_len", type=int, default=8192)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--d_model", type=int, default=1024)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--impl", default="auto", help="operator impl (model.impl), e.g. pallas")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mixer")
+    p.add_argument("--budget", type=float, default=0,
+                   help="seconds; no new mixer starts after it (0 = no limit)")
     p.add_argument("--logdir", default="", help="per-mixer logs (default: a temporary folder)")
     p.add_argument("--one", default="", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
         print("RESULT " + json.dumps(run_one(a)), flush=True)
         return
-    rows = []
+    rows, path, table = [], None, []
     logdir = a.logdir or tempfile.mkdtemp(prefix="train_throughput_")
-    for mixer in a.mixers.split(","):
-        cmd = [sys.executable, __file__, "--one", mixer] + [
-            f"--{k}={getattr(a, k)}" for k in ("seq_len", "batch", "steps", "d_model", "layers", "impl")]
-        t0 = time.perf_counter()
-        log = os.path.join(logdir, f"{mixer}.log" if a.impl == "auto" else f"{mixer}_{a.impl}.log")
-        with open(log, "w") as f:
-            try:
-                subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=a.timeout,
-                               cwd=ROOT)
-                error = None
-            except subprocess.TimeoutExpired:
-                error = f"timed out after {a.timeout:.0f} s"
-        with open(log) as f:
-            lines = f.read().splitlines()
-        results = [ln for ln in lines if ln.startswith("RESULT ")]
-        row = json.loads(results[-1][7:]) if results else {
-            "mixer": mixer, "impl": a.impl, "error": error or "no result", "log_tail": lines[-5:]}
-        row.setdefault("wall_s", time.perf_counter() - t0)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    mixers = a.mixers.split(",")
+    t_start = time.perf_counter()
+    for i, mixer in enumerate(mixers):
+        if a.budget and time.perf_counter() - t_start > a.budget:
+            print(f"budget of {a.budget:.0f} s spent: {', '.join(mixers[i:])} not run", flush=True)
+            break
+        rows.append(train(mixer, a, logdir))
+        print(json.dumps(rows[-1]), flush=True)
+        path, table = save(rows) or (None, rows)
+    print("\n".join(["", "| mixer | params | tokens/s | MFU | peak GiB | final loss |",
+                     "|---|---|---|---|---|---|", *(line(r) for r in table)]))
+    print(f"written {path or 'nothing (no mixer succeeded)'}; per-mixer logs in {logdir}")
+
+
+def train(mixer, a, logdir) -> dict:
+    """Run ``mixer`` in its own process; its result row, or an error row with the log's tail."""
+    cmd = [sys.executable, __file__, "--one", mixer] + [
+        f"--{k}={getattr(a, k)}" for k in ("seq_len", "batch", "steps", "d_model", "layers", "impl")]
+    t0 = time.perf_counter()
+    log = os.path.join(logdir, f"{mixer}.log" if a.impl == "auto" else f"{mixer}_{a.impl}.log")
+    with open(log, "w") as f:
+        try:
+            subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=a.timeout,
+                           cwd=ROOT)
+            error = None
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {a.timeout:.0f} s"
+    with open(log) as f:
+        lines = f.read().splitlines()
+    results = [ln for ln in lines if ln.startswith("RESULT ")]
+    row = json.loads(results[-1][7:]) if results else {
+        "mixer": mixer, "impl": a.impl, "error": error or "no result", "log_tail": lines[-5:]}
+    row.setdefault("wall_s", time.perf_counter() - t0)
+    return row
+
+
+def save(rows):
+    """Write ``rows`` to the device's results file, keeping the rows of other (mixer, impl) pairs
+    that are already there; ``(path, all rows written)``, or None while no row names its device
+    (every mixer so far failed)."""
+    device = next((r["device"] for r in rows if "device" in r), None)
+    if device is None:
+        return None
     os.makedirs(RESULTS, exist_ok=True)
-    device = next((r["device"] for r in rows if "device" in r), "unknown").replace(" ", "_")
-    path = os.path.join(RESULTS, f"train_throughput_{device}.json")
+    path = os.path.join(RESULTS, f"train_throughput_{device.replace(' ', '_')}.json")
+    key = lambda r: (r["mixer"], r.get("impl", "auto"))
+    ran = {key(r) for r in rows}
+    kept = []
     if os.path.exists(path):  # runs split over several invocations: keep the other mixers' rows
         with open(path) as f:
-            key = lambda r: (r["mixer"], r.get("impl", "auto"))
-            ran = {key(r) for r in rows}
-            rows = [r for r in json.load(f)["rows"] if key(r) not in ran] + rows
+            kept = [r for r in json.load(f)["rows"] if key(r) not in ran]
     with open(path, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
-    print("\n| mixer | params | tokens/s | MFU | peak GiB | final loss |\n|---|---|---|---|---|---|")
-    for r in rows:
-        name = r["mixer"] + ("" if r.get("impl", "auto") == "auto" else f" ({r['impl']})")
-        if "error" in r:
-            print(f"| {name} | – | – | – | – | {r['error']}: {(r.get('log_tail') or [''])[-1][:120]} |")
-            continue
-        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
-        print(f"| {name} | {r['params'] or 'n/a'} | {r['tokens_per_s']:.0f} | {mfu} | {peak} | "
-              f"{r['final_loss']:.3f} |")
-    print(f"written {path}; per-mixer logs in {logdir}")
+        json.dump({"date": time.strftime("%Y-%m-%d"), "rows": kept + rows}, f, indent=1)
+    return path, kept + rows
+
+
+def line(r) -> str:
+    """A Markdown table row of one result."""
+    name = r["mixer"] + ("" if r.get("impl", "auto") == "auto" else f" ({r['impl']})")
+    if "error" in r:
+        return f"| {name} | – | – | – | – | {r['error']}: {(r.get('log_tail') or [''])[-1][:120]} |"
+    mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
+    return (f"| {name} | {r['params'] or 'n/a'} | {r['tokens_per_s']:.0f} | {mfu} | {peak} | "
+            f"{r['final_loss']:.3f} |")
 
 
 if __name__ == "__main__":

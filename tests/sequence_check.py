@@ -7,7 +7,8 @@ a multiple of the chunk (16).  Then ``sequence.over_time`` under ``jit`` on a (d
 sequence=4) mesh (the model-level use).  Prints one line per check, exits 1 on a mismatch.
 
 ``python tests/sequence_check.py bytes``: per-layer communication (bytes received per device by
-the forward's all-gathers) for B=1, H=16, d=dv=128, P=8, from the lowered program.
+the forward's all-gathers) for B=1, H=16, d=dv=128, P=8, from the lowered program, against
+``(P − 1)·B·H·|s|·4`` with the summary sizes ``SUMMARY``; exits 1 on a mismatch.
 """
 
 import functools
@@ -39,6 +40,26 @@ CASES = {  # name -> (operator, extra inputs, keyword arguments)
     "loglinear_mamba2 (T per device a multiple of the chunk)": (
         ops.loglinear_mamba2, ("g", "lam"), {"chunk_size": 4}),
 }
+
+
+# name -> (|s|: float32 numbers per batch row and head that the forward all-gathers, as text and
+# as a function of (d, dv′, L)); dv′ = dv + 1 when normalised, L = ⌈log2 T⌉ + 1 (global T).
+# hla2, ahla and causal hla3 are SPEC §7 chains of two LA passes: one (1 + d·width) each.
+SUMMARY = {
+    "hla2": ("inner LA (1 + d²) + outer LA (1 + d·dv′)",
+             lambda d, dv, L: (1 + d * d) + (1 + d * dv)),
+    "ahla": ("inner LA (1 + d·dv′) + outer LA (1 + d·dv′)",
+             lambda d, dv, L: 2 * (1 + d * dv)),
+    "hla3_causal": ("inner LA (1 + d·(d + dv′)) + outer LA (1 + d·dv′)",
+                    lambda d, dv, L: (1 + d * (d + dv)) + (1 + d * dv)),
+    "hla3_paper": ("moments (2d² + d·dv′) + H (d·dv′)", lambda d, dv, L: 2 * d * d + 2 * d * dv),
+    "linear_attention": ("1 + d·dv", lambda d, dv, L: 1 + d * dv),
+    "mamba2": ("1 + d·dv", lambda d, dv, L: 1 + d * dv),
+    "gated_deltanet": ("d² + d·dv", lambda d, dv, L: d * d + d * dv),
+    "loglinear_mamba2": ("1 + L·d·dv", lambda d, dv, L: 1 + L * d * dv),
+    "loglinear_gated_deltanet": ("d² + L·d·dv", lambda d, dv, L: d * d + L * d * dv),
+}
+SUMMARY["loglinear_mamba2 (T per device a multiple of the chunk)"] = SUMMARY["loglinear_mamba2"]
 
 
 def inputs(rng, extra, B=2, T=P_DEV * T_LOCAL, H=2, d=4, dv=3, dtype=np.float64):
@@ -115,19 +136,27 @@ def gathered_bytes(text: str) -> int:
     return total * (P_DEV - 1)
 
 
-def bytes_table() -> None:
+def bytes_table() -> int:
+    """Measured bytes per device against ``(P − 1)·B·H·|s|·4``; returns the number of mismatches."""
     mesh = jax.make_mesh((P_DEV,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
     B, H, d, T = 1, 16, 128, P_DEV * 256  # chunk 64
+    L = ops.fenwick.num_levels(T)
     rng = np.random.default_rng(0)
+    failed = 0
     for name, (op, extra, kw) in CASES.items():
         args = inputs(rng, extra, B=B, T=T, H=H, d=d, dv=d, dtype=np.float32)
         kw = {key: val for key, val in kw.items() if key != "normalize"} | {"chunk_size": 64}
         f = jax.jit(sharded(op, kw, len(args), mesh))
-        print(f"{name} {gathered_bytes(f.lower(*args).as_text())}")
+        got = gathered_bytes(f.lower(*args).as_text())
+        text, size = SUMMARY[name]
+        want = (P_DEV - 1) * B * H * size(d, d, L) * 4
+        failed += got != want
+        print(f"{'ok' if got == want else 'FAIL'} {name} {got:,} |s| = {text} = {want:,}")
+    return failed
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["bytes"]:
-        bytes_table()
+        sys.exit(int(bytes_table() > 0))
     else:
         sys.exit(check())

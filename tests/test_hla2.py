@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hla_jax.ops import hla2_family as fam
-from hla_jax.ops.common import clamp_signed, decay_matrix, with_ones_column
+from hla_jax.ops import linear, reference
+from hla_jax.ops.common import clamp_signed, with_ones_column
 
 FORMS = ("recurrent", "scan", "chunked")
 D, DV = 5, 3
@@ -146,13 +147,15 @@ def test_step_by_step_matches_sequence(x64, rng, normalize):
     state = fam.init_state(2, 2, D, DV, normalize=normalize, dtype=jnp.float64)
     outs, state = step_outputs(step, state, q, k, v, g)
     assert_close(outs, _run("reference", normalize)(q, k, v, g), 1e-10)
-    # the final state is the whole sequence's summary (on [V | 1] when normalised), taken as one
-    # chunk: [B,H,T,...]
-    Q, K, V, G = (jnp.moveaxis(x, 2, 1)
-                  for x in (q, k, with_ones_column(v) if normalize else v, g))
-    whole = fam.chunk_summaries(Q, K, V, G, decay_matrix(G))
-    for name in fam.State._fields:
-        assert_close(getattr(state, name), getattr(whole, name), 1e-12, name)
+    # the final state is the SPEC §7 chain's two LA states: S the inner one (values k), U = SC − G
+    # the outer one (keys K̃ = LA(q, k, k; g), values [V | 1] when normalised, decay 2g)
+    def la_state(k, v, g):
+        return jax.lax.associative_scan(linear.combine, linear.token_summaries(k, v, g),
+                                        axis=1)[1][:, -1]
+    Kt = reference.linear_attention(q, k, k, g)
+    assert_close(state.S, la_state(k, k, g), 1e-12, "S")
+    assert_close(state.S @ state.C - state.G,
+                 la_state(Kt, with_ones_column(v) if normalize else v, 2 * g), 1e-12, "U")
 
 
 def _summary(rng, rho, lead=(2,), d=3, dv=2):
@@ -170,7 +173,7 @@ def test_combine_is_associative(seed, rhos):
 
 
 def test_combine_identity(x64, rng):
-    """The empty segment (ρ = 1, zeros) is a two-sided identity, as ``exclusive_scan`` assumes."""
+    """The empty segment (ρ = 1, zeros) is a two-sided identity."""
     a = _summary(rng, 0.7)
     empty = fam.Summary(jnp.ones(2), *(jnp.zeros_like(x) for x in a[1:]))
     for x in (fam.combine(empty, a), fam.combine(a, empty)):

@@ -222,7 +222,8 @@ def test_pallas_impl_is_refused_where_there_is_no_kernel(rng):
     with pytest.raises(ValueError, match="pallas"):
         ops.hla3(q, k, v, mask="paper", impl="pallas")
     with pytest.raises(ValueError, match="pallas"):
-        ops.mamba2(q, k, v, make_gate(rng, 1, 16, 1), impl="pallas")
+        ops.gated_deltanet(q, k, v, make_gate(rng, 1, 16, 1), jnp.full((1, 16, 1), 0.5),
+                           impl="pallas")
 
 
 def test_auto_prefers_the_kernel_only_for_bf16_on_a_gpu(monkeypatch):

@@ -18,38 +18,9 @@ Matmul operands are in the input dtype (bf16 or float32), accumulation in float3
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-F32 = jnp.float32
-
-
-def dot(a, b, ta: bool = False, tb: bool = False):
-    """``op(a) @ op(b)`` with ``op`` = transpose when ``ta``/``tb``; operands cast to the dtype of
-    ``a`` when it is bf16, else float32 at full precision (float64 stays float64, for the
-    tests); accumulation in float32 (float64)."""
-    acc = jnp.result_type(F32, a.dtype)
-    dt = jnp.bfloat16 if a.dtype == jnp.bfloat16 else acc
-    prec = None if dt == jnp.bfloat16 else jax.lax.Precision.HIGHEST
-    dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
-    return jax.lax.dot_general(a.astype(dt), b.astype(dt), dims, precision=prec,
-                               preferred_element_type=acc)
-
-
-def decays(bb):
-    """``ρ, ρ_c, γ, Γ, L`` from the local log cumulative decay ``bb: [c]`` (non-increasing)."""
-    c = bb.shape[0]
-    rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    lower = rows >= cols
-    bc = jnp.min(bb)  # b at the chunk end, since g <= 0
-    gam_mat = jnp.exp(jnp.where(lower, bb[:, None] - bb[None, :], -jnp.inf))
-    return jnp.exp(bb), jnp.exp(bc), jnp.exp(bc - bb), gam_mat, lower
-
-
-def at_end(x, c):
-    """A ``[c]`` vector with the scalar ``x`` at the last position (the chunk end's ``b``)."""
-    return jnp.where(jax.lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1, x, 0.0)
+from hla_jax.kernels.la_chunk import at_end, decays, dot
 
 
 def chunk_forward(Q, K, V, bb, S, U):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from hla_jax.kernels.hla2_chunk import at_end, decays, dot
+from hla_jax.kernels.la_chunk import at_end, decays, dot
 
 
 def _rows(Q, K, V, bb, S, P):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hla_jax.kernels.hla2_chunk import at_end, decays, dot
+from hla_jax.kernels.la_chunk import at_end, decays, dot
 from hla_jax.ops import fenwick
 
 # --------------------------------------------------------------------------- binary counter

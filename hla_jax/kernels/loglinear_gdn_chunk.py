@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hla_jax.kernels.hla2_chunk import F32, at_end, decays, dot
+from hla_jax.kernels.la_chunk import F32, at_end, decays, dot
 from hla_jax.kernels.loglinear_chunk import level_sums, level_table, level_weights
 
 

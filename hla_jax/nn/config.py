@@ -23,7 +23,8 @@ MIXERS = (
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
 # mixers whose operator has impl="pallas" (softmax ignores impl: it has its own attention path)
-PALLAS_MIXERS = ("softmax", "hla2", "ahla", "hla3", "loglinear_mamba2", "loglinear_gated_deltanet")
+PALLAS_MIXERS = ("softmax", "linear", "hla2", "ahla", "hla3", "mamba2", "loglinear_mamba2",
+                 "loglinear_gated_deltanet")
 OUTPUT_GATES = ("silu", "sigmoid", "none")
 
 

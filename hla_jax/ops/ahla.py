@@ -7,7 +7,11 @@ replaced by 1.  The operator is linear in V, so the normalised form runs once on
 (``dv + 1`` columns): the last columns of ``P`` and ``E`` are SPEC's ``mK`` and ``n``.
 Forms that agree: the quadratic ``reference``, the serial ``recurrent`` form (``step`` = the
 decode step), the token-level associative ``scan`` over ``token_summaries`` with ``combine``, and
-the ``chunked`` form (matmuls inside chunks, the same ``combine`` across chunks).
+the ``chunked`` form, which is SPEC §7's chain of two first-order linear-attention passes
+(``chains.ahla``: ``W_g (W_g V) = LA(q, k, Ṽ; g)`` with ``Ṽ = LA(q, k, v; g)``) over XLA's
+chunked LA; "pallas" is the same chain over the Pallas LA kernel.  The decode state is the
+chain's two LA states: ``P = Σ D k vᵀ`` is the inner LA's, and ``E = Σ_i D(t,i) k_i Ṽ_iᵀ`` the
+outer one's (values ``Ṽ_t = P_tᵀ q_t``: ``E ← a E + k (qᵀ P)``).
 Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (log-decay ``<= 0``), ``[H]`` or
 ``None``; outputs ``[B,T,H,dv]`` in the state dtype.
 """
@@ -19,9 +23,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import hla_forms, reference
-from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, precision_from_inputs, tr
-from hla_jax.ops.hla_forms import Chunks, chunk_prefixes, finish
+from hla_jax.ops import chains, hla_forms, reference
+from hla_jax.ops.common import cast_inputs, ein, mm, outer, precision_from_inputs
+from hla_jax.ops.hla_forms import finish
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
 
@@ -89,35 +93,9 @@ def combine(a: Summary, b: Summary) -> Summary:
     return Summary(a.rho * b.rho, r * a.P + b.P, a.R + b.R, r * (a.E + mm(b.R, a.P)) + b.E)
 
 
-def chunk_summaries(Q, K, V, g, Gam, WgV) -> Summary:
-    """Each chunk's own summary; ``Q, K: [...,c,d]``, ``V, WgV = W_g V: [...,c,dv]``, ``g: [...,c]``.
-
-    With ``γ_τ = D(c,τ)`` (the last row of Γ): ``P = (γ∘K)ᵀ V``, ``R = Kᵀ Q``,
-    ``E = Σ_τ γ_τ k_τ (q_τᵀ P_τ) = (γ∘K)ᵀ (W_g V)``.
-    """
-    Kg = tr(Gam[..., -1, :, None] * K)
-    return Summary(jnp.exp(jnp.sum(g, -1)), mm(Kg, V), mm(tr(K), Q), mm(Kg, WgV))
-
-
-def chunk_outputs(x: Chunks, seq_axis=None):
-    """Chunked outputs ``[B,H,N,c,dv]`` (SPEC §2): per chunk, with the prefix ``(P0, E0)`` of
-    earlier chunks,
-
-        O = diag(ρ) Q E0 + diag(ρ) A_L (Q P0) + (W_g W_g) V,    A_L = L ∘ QKᵀ,  W_g = Γ ∘ QKᵀ
-
-    with local ``ρ`` and ``Γ``.  Prefixes: ``chunk_prefixes(combine, chunk_summaries)``.
-    """
-    Q, K, V, g, Gam, rho = x
-    A = mm(Q, tr(K))
-    Wg = Gam * A
-    WgV = mm(Wg, V)
-    p = chunk_prefixes(combine, chunk_summaries(Q, K, V, g, Gam, WgV), seq_axis)
-    AL = causal_mask(Q.shape[-2], A.dtype) * A
-    return rho * (mm(Q, p.E) + mm(AL, mm(Q, p.P))) + mm(Wg, WgV)
-
-
 FAMILY = hla_forms.Family("ahla", init_state, step, token_summaries, combine, readout,
-                          chunk_outputs, reference.ahla)
+                          reference.ahla, chains.over_xla(chains.ahla),
+                          chains.over_pallas(chains.ahla))
 
 
 @precision_from_inputs
@@ -128,11 +106,11 @@ def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
 
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
     ``None``.  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
-    "recurrent" | "scan" | "chunked" | "pallas" (``hla_jax.kernels.ahla_pallas``; interpret mode
-    on CPU) | "auto" (the kernel on a GPU for bf16 inputs, ``common.pallas_preferred``; else
-    "chunked").  ``seq_axis``: the mesh axis the time axis is sharded over,
-    inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
+    "recurrent" | "scan" | "chunked" (``chains.ahla`` over ``linear.chunked``) | "pallas" (the
+    chain over ``hla_jax.kernels.la.la_pallas``; interpret mode on CPU) | "auto" (the Pallas
+    chain on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``:
+    the mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
+    ``ops.sequence``).
     """
     return hla_forms.dispatch(FAMILY, impl, IMPLS, q, k, v, g, normalize=normalize, eps=eps,
-                              chunk_size=chunk_size, seq_axis=seq_axis,
-                              kernels={"pallas": hla_forms.pallas("ahla")}, auto_kernel=True)
+                              chunk_size=chunk_size, seq_axis=seq_axis)

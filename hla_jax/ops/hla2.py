@@ -5,9 +5,13 @@
 optionally ratio-normalised: ``o_t / clamp_signed(den_t, eps)`` with ``den`` the same sum with
 ``v_j`` replaced by 1.  The operator is linear in V, so the normalised form runs once on ``[V | 1]``
 (``dv + 1`` columns): the last columns of ``C`` and ``G`` are SPEC's twins ``m`` and ``h``.
-Four forms that agree: the quadratic ``reference``, the serial ``recurrent`` form (``step`` = the
+Forms that agree: the quadratic ``reference``, the serial ``recurrent`` form (``step`` = the
 decode step), the token-level associative ``scan`` over ``token_summaries`` with ``combine``, and
-the ``chunked`` form (matmuls inside chunks, the same ``combine`` across chunks).
+the ``chunked`` form, which is SPEC §7's chain of two first-order linear-attention passes
+(``chains.hla2``: ``LA(q, K̃, v; 2g)`` with ``K̃ = LA(q, k, k; g)``) over XLA's chunked LA;
+"pallas" is the same chain over the Pallas LA kernel.  The decode state is the chain's two LA
+states: ``S = Σ D k kᵀ`` is the inner LA's (values ``k``), and ``U = S C − G = Σ_j D(t,j)² K̃_j v_jᵀ``
+the outer one's (decay ``a²``, keys ``K̃_t = S_t q_t``), ``U_t = a_t² U_{t-1} + S_t q_t v_tᵀ``.
 Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (log-decay ``<= 0``) or ``[H]`` or
 ``None``; outputs ``[B,T,H,dv]`` in the state dtype.
 """
@@ -19,9 +23,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import hla_forms, reference
-from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, precision_from_inputs, tr
-from hla_jax.ops.hla_forms import Chunks, chunk_prefixes, finish
+from hla_jax.ops import chains, hla_forms, reference
+from hla_jax.ops.common import cast_inputs, ein, mm, outer, precision_from_inputs
+from hla_jax.ops.hla_forms import finish
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
 
@@ -96,39 +100,9 @@ def combine(a: Summary, b: Summary) -> Summary:
                    r * (r * a.G + mm(b.S, a.C)) + b.G)
 
 
-def chunk_summaries(Q, K, V, g, Gam) -> Summary:
-    """Each chunk's own summary; ``Q, K: [...,c,d]``, ``V: [...,c,dv]``, ``g: [...,c]``, ``Γ: [...,c,c]``.
-
-    With ``γ_τ = D(c,τ)`` (decay to the chunk's end, last row of Γ):
-    ``S = Kᵀ diag(γ) K``, ``C = (γ∘Q)ᵀ V``, and
-    ``G = Σ_{i>j} γ_i γ_j k_i (k_i·q_j) v_jᵀ = Kᵀ X V`` with ``X = strict_tril((γ∘K)(γ∘Q)ᵀ)``.
-    """
-    gam = Gam[..., -1, :, None]
-    Kg, Qg = gam * K, gam * Q
-    X = jnp.tril(mm(Kg, tr(Qg)), -1)
-    return Summary(jnp.exp(jnp.sum(g, -1)), mm(tr(Kg), K), mm(tr(Qg), V), mm(mm(tr(K), X), V))
-
-
-def chunk_outputs(x: Chunks, seq_axis=None):
-    """Chunked outputs ``[B,H,N,c,dv]`` (SPEC §1): per chunk, with the prefix ``(S0, C0, G0)`` of
-    earlier chunks,
-
-        O = diag(ρ²) Q (S0 C0 − G0) + M V,
-        M = diag(ρ) ((Q S0 Qᵀ) ∘ Γ) + (W_g Wᵀ) ∘ Γ,   W_g = Γ ∘ QKᵀ,  W = L ∘ QKᵀ
-
-    with local ``ρ`` and ``Γ`` (SPEC's ``den = diag(ρ²) Q u0 + M 1`` is the last column for
-    ``[V | 1]``).  Prefixes: ``chunk_prefixes(combine, chunk_summaries)``.
-    """
-    Q, K, V, g, Gam, rho = x
-    p = chunk_prefixes(combine, chunk_summaries(Q, K, V, g, Gam), seq_axis)
-    A = mm(Q, tr(K))
-    W = causal_mask(Q.shape[-2], A.dtype) * A
-    M = (rho * mm(mm(Q, p.S), tr(Q)) + mm(Gam * A, tr(W))) * Gam
-    return rho**2 * mm(Q, mm(p.S, p.C) - p.G) + mm(M, V)
-
-
 FAMILY = hla_forms.Family("hla2", init_state, step, token_summaries, combine, readout,
-                          chunk_outputs, reference.hla2)
+                          reference.hla2, chains.over_xla(chains.hla2),
+                          chains.over_pallas(chains.hla2))
 
 
 @precision_from_inputs
@@ -138,13 +112,11 @@ def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
 
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
     ``None``.  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
-    "recurrent" | "scan" | "chunked" | "pallas" (``hla_jax.kernels.hla2_pallas``; interpret
-    mode on CPU) | "auto" (the kernel on a GPU for bf16 inputs, ``common.pallas_preferred``,
-    2.2× / 1.7× faster than XLA's forward+backward on the H200 at T=8192 / 32768; else
-    "chunked").  ``seq_axis``:
+    "recurrent" | "scan" | "chunked" (``chains.hla2`` over ``linear.chunked``) | "pallas" (the
+    chain over ``hla_jax.kernels.la.la_pallas``; interpret mode on CPU) | "auto" (the Pallas
+    chain on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``:
     the mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
     ``ops.sequence``).
     """
     return hla_forms.dispatch(FAMILY, impl, IMPLS, q, k, v, g, normalize=normalize, eps=eps,
-                              chunk_size=chunk_size, seq_axis=seq_axis,
-                              kernels={"pallas": hla_forms.pallas("hla2")}, auto_kernel=True)
+                              chunk_size=chunk_size, seq_axis=seq_axis)

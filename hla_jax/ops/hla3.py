@@ -9,8 +9,15 @@ optionally ratio-normalised: ``o_t / clamp_signed(den_t, eps)``, ``den`` the sam
 replaced by 1.  Both operators are linear in V, so the normalised form runs once on ``[V | 1]``
 (``dv + 1`` columns): the last column of every ``d×dv`` state is its ``mK`` twin (P -> mK).
 Forms that agree: ``reference``, ``recurrent`` (``step`` = decode step), token-level associative
-``scan`` (``combine``), ``chunked``.  Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``,
-``g: [B,T,H]`` (log-decay ``<= 0``), ``[H]`` or ``None``; outputs ``[B,T,H,dv]`` in the state dtype.
+``scan`` (``combine``), ``chunked``.  The causal ``chunked`` form is SPEC §7's chain of two
+first-order linear-attention passes (``chains.hla3``: ``LA(q, K̃, Ṽ; 2g)`` with
+``[K̃ | Ṽ] = LA(q, k, [k | v]; g)``) over XLA's chunked LA, and "pallas" the same chain over the
+Pallas LA kernel; the decode state is the chain's LA states: ``S = Σ D k kᵀ`` and
+``P = Σ D k vᵀ`` the inner LA's (values ``[k | v]``), ``F = Σ_u D(t,u)² K̃_u Ṽ_uᵀ`` the outer
+one's (decay ``a²``, ``K̃_t = S_t q_t``, ``Ṽ_t = P_tᵀ q_t``).  The ``paper`` mask does not factor
+so: its chunked form is ``paper_chunk`` scanned over chunks.
+Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (log-decay ``<= 0``), ``[H]`` or
+``None``; outputs ``[B,T,H,dv]`` in the state dtype.
 """
 
 from __future__ import annotations
@@ -21,9 +28,20 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import hla_forms, reference, sequence
-from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, precision_from_inputs, tr
-from hla_jax.ops.hla_forms import Chunks, chunk_prefixes, finish
+from hla_jax.ops import chains, hla_forms, reference, sequence
+from hla_jax.ops.common import (
+    cast_inputs,
+    causal_mask,
+    ein,
+    from_chunks,
+    mm,
+    outer,
+    pad_time,
+    precision_from_inputs,
+    to_chunks,
+    tr,
+)
+from hla_jax.ops.hla_forms import finish
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
 MASKS = ("causal", "paper")
@@ -121,26 +139,6 @@ def combine(a: Summary, b: Summary) -> Summary:
         X=r * (a.X + mm(b.Q2, a.P)) + b.X,
         Y=r * (a.Y + SQ) + b.Y,
         F=r**2 * (a.F + mm(SQ, a.P)) + r * (mm(a.S, b.X) + mm(b.Y, a.P)) + b.F,
-    )
-
-
-def chunk_summaries(Q, K, V, g, Gam, Wg, WgV) -> Summary:
-    """Each chunk's own causal summary; ``Q, K: [...,c,d]``, ``V, WgV = W_g V: [...,c,dv]``.
-
-    With ``γ_τ = D(c,τ)`` (last row of Γ), rows ``q_τᵀ P_τ = (W_g V)_τ`` and
-    ``(S_τ q_τ)ᵀ = (W_g K)_τ``: ``S = (γ∘K)ᵀ K``, ``P = (γ∘K)ᵀ V``, ``Q2 = QᵀQ``,
-    ``X = (γ∘Q)ᵀ W_g V``, ``Y = (W_g K)ᵀ (γ∘Q)``, ``F = (W_g K)ᵀ diag(γ²) W_g V``.
-    """
-    gam = Gam[..., -1, :, None]
-    WgK = mm(Wg, K)
-    return Summary(
-        rho=jnp.exp(jnp.sum(g, -1)),
-        S=mm(tr(gam * K), K),
-        P=mm(tr(gam * K), V),
-        Q2=mm(tr(Q), Q),
-        X=mm(tr(gam * Q), WgV),
-        Y=mm(tr(WgK), gam * Q),
-        F=mm(tr(WgK), gam**2 * WgV),
     )
 
 
@@ -278,31 +276,10 @@ def paper_chunk(state: PaperState, Q, K, V):
 # forms
 
 
-def _causal_chunked(x: Chunks, seq_axis=None):
-    """Causal chunked outputs ``[B,H,N,c,dv]`` (SPEC §3): with the prefix ``(S0, P0, F0)``,
-
-        O = diag(ρ²) Q F0 + diag(ρ²) ((Q S0 Qᵀ) ∘ L)(Q P0) + diag(ρ) ((Q S0 Qᵀ) ∘ Γ)(W_g V)
-          + diag(ρ) (Γ ∘ (A W_gᵀ))(Q P0) + (Γ ∘ (W_g A_Lᵀ))(W_g V)
-
-    with ``A = QKᵀ``, ``A_L = L ∘ A``, ``W_g = Γ ∘ A``, local ``ρ`` and ``Γ``; prefixes
-    ``chunk_prefixes(combine, chunk_summaries)``.
-    """
-    Q, K, V, g, Gam, rho = x
-    A = mm(Q, tr(K))
-    Wg = Gam * A
-    WgV = mm(Wg, V)
-    p = chunk_prefixes(combine, chunk_summaries(Q, K, V, g, Gam, Wg, WgV), seq_axis)
-    L = causal_mask(Q.shape[-2], A.dtype)
-    QS0Q = mm(mm(Q, p.S), tr(Q))
-    QP0 = mm(Q, p.P)
-    return (rho**2 * (mm(Q, p.F) + mm(L * QS0Q, QP0))
-            + rho * (mm(Gam * QS0Q, WgV) + mm(Gam * mm(A, tr(Wg)), QP0))
-            + mm(Gam * mm(Wg, tr(L * A)), WgV))
-
-
-def _paper_chunked(x: Chunks, seq_axis=None):
-    """``paper`` chunked outputs ``[B,H,N,c,dv]``: a ``lax.scan`` of ``paper_chunk`` over chunks
-    (no decay: ``x.g``, ``x.Gam``, ``x.rho`` are unused).
+@functools.partial(jax.jit, static_argnames=("normalize", "chunk_size", "seq_axis"))
+def paper_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, seq_axis=None):
+    """``paper`` chunked form ``[B,T,H,dv]`` (``g`` is ``None``): T padded to a multiple of
+    ``c = min(chunk_size, T)``, a ``lax.scan`` of ``paper_chunk`` over the chunks ``[B,H,N,c,·]``.
 
     Under ``seq_axis`` (shard ``j``), in two small collectives instead of gathering the
     ``d³·dv`` map of ``paper_combine``: the moments ``(SK0, SQ0, P0)`` of the earlier shards are
@@ -311,8 +288,10 @@ def _paper_chunked(x: Chunks, seq_axis=None):
     so the true prefix is ``H0 = Σ_{i<j} ΔH_i`` (a second exclusive sum) and every output gains
     ``Q (H0 − H0')`` (``o_t = q_tᵀ H_t`` is affine in the initial ``H``).
     """
-    Q, K, V = x.Q, x.K, x.V
-    B, H, _, _, d = Q.shape
+    B, T, H, d = q.shape
+    q, k, v, _ = cast_inputs(q, k, v, None, normalize)
+    c = min(chunk_size, T)
+    Q, K, V = (to_chunks(pad_time(x, c), c) for x in (q, k, v))
     init = paper_init_state(B, H, d, V.shape[-1], dtype=Q.dtype)
     if seq_axis is not None:
         moments = [ein("bhncd,bhnce->bhde", x, y) for x, y in ((K, K), (Q, Q), (K, V))]
@@ -321,17 +300,18 @@ def _paper_chunked(x: Chunks, seq_axis=None):
     final, O = jax.lax.scan(lambda s, x: paper_chunk(s, *x), init,
                             tuple(jnp.moveaxis(x, 2, 0) for x in (Q, K, V)))
     O = jnp.moveaxis(O, 0, 2)
-    if seq_axis is None:
-        return O
-    H0 = sequence.exclusive_sum(_paper_H(final) - _paper_H(init), seq_axis)
-    return O + mm(Q, (H0 - _paper_H(init))[:, :, None])
+    if seq_axis is not None:
+        H0 = sequence.exclusive_sum(_paper_H(final) - _paper_H(init), seq_axis)
+        O = O + mm(Q, (H0 - _paper_H(init))[:, :, None])
+    return finish(from_chunks(O, T), normalize, eps)
 
 
 CAUSAL = hla_forms.Family("hla3", init_state, step, token_summaries, combine, readout,
-                          _causal_chunked, functools.partial(reference.hla3, mask="causal"))
+                          functools.partial(reference.hla3, mask="causal"),
+                          chains.over_xla(chains.hla3), chains.over_pallas(chains.hla3))
 PAPER = hla_forms.Family("hla3", paper_init_state, paper_step, paper_token_summaries,
-                         paper_combine, paper_readout, _paper_chunked,
-                         functools.partial(reference.hla3, mask="paper"))
+                         paper_combine, paper_readout,
+                         functools.partial(reference.hla3, mask="paper"), paper_chunked)
 
 
 @precision_from_inputs
@@ -342,15 +322,16 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="aut
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
     ``None`` (``mask="paper"`` has no decay: ``g`` must be ``None``).  ``mask``: "causal" |
     "paper".  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
-    "recurrent" | "scan" | "chunked" | "pallas" (``hla_jax.kernels.hla3_pallas``, causal mask
-    only; interpret mode on CPU) | "auto" (the causal kernel on a GPU for bf16 inputs,
-    ``common.pallas_preferred``; else "chunked").  ``seq_axis``: the mesh axis the time
-    axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``).
+    "recurrent" | "scan" | "chunked" (causal: ``chains.hla3`` over ``linear.chunked``; paper:
+    ``paper_chunked``) | "pallas" (causal mask only: the chain over
+    ``hla_jax.kernels.la.la_pallas``; interpret mode on CPU) | "auto" (the causal Pallas chain
+    on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``: the
+    mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
+    ``ops.sequence``).
     """
     _check_mask(mask, g)
     if mask == "paper" and impl == "pallas":
-        raise ValueError("hla3: impl='pallas' has a kernel for mask='causal' only")
+        raise ValueError("hla3: impl='pallas' is for mask='causal' only")
     return hla_forms.dispatch(PAPER if mask == "paper" else CAUSAL, impl, IMPLS, q, k, v, g,
                               normalize=normalize, eps=eps, chunk_size=chunk_size,
-                              seq_axis=seq_axis, kernels={"pallas": hla_forms.pallas("hla3")},
-                              auto_kernel=mask == "causal")
+                              seq_axis=seq_axis)

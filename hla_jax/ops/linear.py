@@ -4,6 +4,8 @@ Equivalently ``o = (Γ ∘ QKᵀ) V``; state ``H_t = a_t H_{t−1} + k_t v_tᵀ`
 These are the log-linear Mamba-2 of ``loglinear.py`` with every λ = 1, run by the same core with
 the level split switched off (one d×dv state, plain cost).  ``q, k: [B,T,H,d]``,
 ``v: [B,T,H,dv]``, ``g: [B,T,H]`` or ``[H]`` log-decay (None: no decay); outputs ``[B,T,H,dv]``.
+``impl="pallas"`` runs the first-order Pallas kernel ``hla_jax.kernels.la_pallas`` (which also
+takes an initial state and returns the final one).
 """
 
 from __future__ import annotations
@@ -56,13 +58,16 @@ def chunked(q, k, v, g, chunk_size=64, seq_axis=None):
 
 
 def linear_attention(q, k, v, g=None, *, impl="auto", chunk_size=64, seq_axis=None):
-    """``o = (Γ ∘ QKᵀ) V``; ``g`` optional. impl: reference | recurrent | scan | chunked | auto.
+    """``o = (Γ ∘ QKᵀ) V``; ``g`` optional. impl: reference | recurrent | scan | chunked |
+    pallas (``hla_jax.kernels.la_pallas``; interpret mode on CPU) | auto (the kernel on a GPU
+    for all-bf16 inputs without ``seq_axis``, ``common.pallas_preferred``; else chunked).
     ``seq_axis``: the mesh axis the time axis is sharded over (``ops.sequence``)."""
     return loglinear.run("linear_attention", q, k, v, g, impl=impl, chunk_size=chunk_size,
                          gate_required=False, seq_axis=seq_axis)
 
 
 def mamba2(q, k, v, g, *, impl="auto", chunk_size=64, seq_axis=None):
-    """Scalar-gated linear attention (Mamba-2's SSD core: q=C, k=B, v=dt·x, g=dt·A); g required."""
+    """Scalar-gated linear attention (Mamba-2's SSD core: q=C, k=B, v=dt·x, g=dt·A); g required.
+    ``impl`` as for ``linear_attention`` ("pallas": ``hla_jax.kernels.la_pallas``)."""
     return loglinear.run("mamba2", q, k, v, g, impl=impl, chunk_size=chunk_size,
                          seq_axis=seq_axis)

@@ -24,7 +24,8 @@ from jax.scipy.linalg import solve_triangular
 from hla_jax.ops import common, fenwick, reference, sequence
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
-KERNELS = ("loglinear_mamba2", "loglinear_gated_deltanet")  # the entries with impl="pallas"
+# the entries with impl="pallas" (``common.pallas_entry``; linear_attention and mamba2: la_pallas)
+KERNELS = ("linear_attention", "mamba2", "loglinear_mamba2", "loglinear_gated_deltanet")
 
 
 def _mul(A, X):
@@ -337,17 +338,17 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     if impl == "auto" and name in KERNELS and common.pallas_preferred(seq_axis, chunk_size, q, k, v):
         impl = "pallas"
     g = common.check_gate(g, B, T, H, name=name, required=gate_required)
-    g = common.gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)
     if beta is not None:
         beta = common.check_per_token(beta, B, T, H, "beta", name=name)
     if log_levels:
         lam = check_lam(lam, B, T, H, name=name, T_all=T * sequence.axis_size(seq_axis))
         fenwick.chunk_log2(chunk_size)
+    if impl == "pallas":  # the kernels take g=None as no decay
+        extra = [x for x in (beta, lam) if x is not None]
+        return common.pallas_entry(name)(q, k, v, g, *extra, chunk_size=chunk_size)
+    g = common.gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)
     if impl == "reference":
         return _reference(q, k, v, g, beta, lam)
-    if impl == "pallas":
-        extra = () if beta is None else (beta,)
-        return common.pallas_entry(name)(q, k, v, g, *extra, lam, chunk_size=chunk_size)
     with common.matmul_precision(q, k, v):
         if impl in ("recurrent", "scan"):
             return _JITTED[impl](q, k, v, g, beta, lam)

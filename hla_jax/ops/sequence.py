@@ -4,13 +4,16 @@ Every public operator takes ``seq_axis=None``.  When it names a mesh axis of siz
 must run inside ``jax.shard_map`` with the time axis of every ``[B,T,...]`` input sharded over
 that axis: device ``j`` holds tokens ``[t0_j, t0_j + T)``, ``t0_j = j T`` (``T`` the local length,
 any value: each shard is padded locally with zero tokens, which contribute nothing and decay
-nothing).  Each family then
+nothing).  Each first-order family then
 
 1. computes its local chunk summaries, as in its chunked form;
 2. reduces them to the device total ``s_j`` (a summary of the same type);
 3. ``device_prefix``: all-gathers the totals over ``seq_axis`` and folds those of devices
    ``i < j`` in device order, giving the incoming prefix ``p_j = s_0 ⊕ … ⊕ s_{j−1}``;
 4. computes its local outputs with ``p_j`` in front of every chunk prefix (``chunk_prefixes``).
+
+hla2, ahla and causal hla3 are chains of two first-order LA passes (SPEC §7, ``ops.chains``),
+each of them sequence-parallel this way (two dependent all-gathers, one per pass).
 
 The backward pass is the transpose of the same program (the transpose of ``all_gather`` is a
 ``psum_scatter``), so gradients are those of the unsharded operator.
@@ -20,7 +23,7 @@ row and head, float32): each device receives ``(P − 1)·|s|`` numbers, then do
 combines of summary size (no chunk-sized work); the backward moves the same volume through the
 transposed ``psum_scatter``.  A log-step ``ppermute`` scan would receive ``⌈log2 P⌉·|s|`` but
 needs ``⌈log2 P⌉`` dependent collective rounds, each followed by a combine.  The choice rests on
-the measured volumes (tests/sequence_check.py ``bytes``: 22 MB received per device and layer
+the measured volumes (tests/sequence_check.py ``bytes``: 15 MB received per device and layer
 for HLA2 at B=1, H=16, d=dv=128, P=8, 95 MB for log-linear Gated DeltaNet, tens of µs to a few
 hundred µs on NVLink) and the round count; it was not timed on several GPUs.  HLA3's
 ``paper`` mask (whose full summary holds a ``d³·dv`` map) uses two exclusive sums of ``d×d`` and

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from hla_jax.kernels.gpu.walk import compiler_params
-from hla_jax.kernels.hla2_chunk import F32, at_end
+from hla_jax.kernels.la_chunk import F32, at_end
 from hla_jax.kernels.loglinear_chunk import (
     block_end,
     chunk_backward,

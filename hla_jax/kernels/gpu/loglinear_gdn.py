@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from hla_jax.kernels import loglinear_gdn_chunk as chunk
 from hla_jax.kernels.gpu.walk import compiler_params
-from hla_jax.kernels.hla2_chunk import F32
+from hla_jax.kernels.la_chunk import F32
 
 
 def _slot(n, m: int):

@@ -1,4 +1,5 @@
-"""The HLA chunk walks for NVIDIA GPUs: ``pallas_call`` lowered through Triton (jax 0.11.2).
+"""The chunk walks of LA and the HLA family for NVIDIA GPUs: ``pallas_call`` lowered through
+Triton (jax 0.11.2).
 
 Generic over a family's chunk step (``kernels/<family>_chunk.py``) and its state ``layout``: a
 tuple of ``DD`` (a ``d×d`` state, shared by every value tile) and ``DV`` (a ``d×bv`` state of
@@ -10,10 +11,12 @@ value tile) over the chunks in order, float32 states in registers (``lax.fori_lo
 - ``forward``: the outputs ``O``;
 - ``states``: every chunk's incoming states (``DD: [B,H,N,d,d]``, written by value tile 0,
   ``DV: [B,H,N,d,dv]``), in the input dtype, without ``O``;
+  both start from given states (``init``, float32) or zeros, and can also write the last
+  chunk's outgoing states (``final``, float32): state passing between calls;
 - ``dstates``: in reverse, the cotangent of every chunk's outgoing states (``DD``: one share per
   value tile, ``[nv,B,H,N,d,d]``; ``DV: [B,H,N,d,dv]``): the chunk backward, of which only the
-  state cotangents are kept (the rest is dead code, removed by the compiler).  HLA2 and AHLA are
-  linear in their states, so their state cotangents do not depend on the states (zeros stand
+  state cotangents are kept (the rest is dead code, removed by the compiler).  LA, HLA2 and AHLA
+  are linear in their states, so their state cotangents do not depend on the states (zeros stand
   in); HLA3's ``F`` update is bilinear in ``S`` and ``P``, so its walk reads the saved states.
 
 The *chunk-parallel* kernels (layout (b)) run one program per (batch, head, chunk, value tile)
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from hla_jax.kernels.hla2_chunk import F32
+from hla_jax.kernels.la_chunk import F32
 
 DD, DV = "dd", "dv"
 STATIC = ("c", "bv", "num_warps", "interpret")
@@ -57,10 +60,22 @@ def _state_shapes(layout, B, H, N, d, dv, dtype, nv=None):
             for kind in layout]
 
 
+def _last_shapes(layout, B, H, d, dv, final):
+    """The walks' last outgoing states (float32, one chunk), when ``final``."""
+    return _state_shapes(layout, B, H, 1, d, dv, F32) if final else []
+
+
 def _read(layout, refs, i, h, n, vs, j=None):
     """Chunk ``n``'s saved states for value tile ``vs`` (``j``: the per-tile share of ``DD``)."""
     return [(ref[i, h, n] if j is None else ref[j, i, h, n]) if kind == DD else ref[i, h, n, :, vs]
             for kind, ref in zip(layout, refs)]
+
+
+def _initial(layout, init_refs, i, h, vs, d, bv, j=None):
+    """A walk's starting states: chunk 0 of ``init_refs`` in float32 (as ``_read``), or zeros."""
+    if not init_refs:
+        return _zeros(layout, d, bv)
+    return tuple(x.astype(F32) for x in _read(layout, init_refs, i, h, 0, vs, j))
 
 
 def _write(layout, refs, xs, i, h, n, vs, j, shared):
@@ -84,14 +99,18 @@ def _call(kernel, out_shape, grid, num_warps, interpret, *args):
                           interpret=interpret)(*args)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
-def forward(chunk_forward, layout, q, k, v, b, *, c, bv, num_warps=8, interpret=False):
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC + ("final",))
+def forward(chunk_forward, layout, q, k, v, b, *, init=None, final=False, c, bv, num_warps=8,
+            interpret=False):
     """``q, k: [B,Tp,H,d]``, ``v: [B,Tp,H,dv]``, ``b: [B,H,Tp]`` (local log cumulative decay per
-    chunk) -> ``O [B,Tp,H,dv]`` float32.  ``chunk_forward(Q, K, V, bb, *states) -> (O, *states)``."""
+    chunk) -> ``O [B,Tp,H,dv]`` float32, the walk starting from ``init`` (as in ``states``); with
+    ``final``, ``(O, last)``: also the last chunk's outgoing states (float32, ``DD [B,H,1,d,d]``,
+    ``DV [B,H,1,d,dv]``).  ``chunk_forward(Q, K, V, bb, *states) -> (O, *states)``."""
     B, Tp, H, d = q.shape
-    dv = v.shape[-1]
+    dv, init = v.shape[-1], tuple(init or ())
 
-    def kernel(q_ref, k_ref, v_ref, b_ref, o_ref):
+    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
+        init_refs, o_ref, last_refs = refs[:len(init)], refs[len(init)], refs[len(init) + 1:]
         i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
 
@@ -101,25 +120,30 @@ def forward(chunk_forward, layout, q, k, v, b, *, c, bv, num_warps=8, interpret=
                 q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs], b_ref[i, h, ts], *carry)
             return tuple(carry)
 
-        jax.lax.fori_loop(0, Tp // c, body, _zeros(layout, d, bv))
+        last = jax.lax.fori_loop(0, Tp // c, body, _initial(layout, init_refs, i, h, vs, d, bv))
+        _write(layout, last_refs, last, i, h, 0, vs, j, shared=True)
 
-    return _call(kernel, jax.ShapeDtypeStruct((B, Tp, H, dv), F32), (B, H, dv // bv), num_warps,
-                 interpret, q, k, v, b)
+    O = jax.ShapeDtypeStruct((B, Tp, H, dv), F32)
+    out = _call(kernel, [O] + _last_shapes(layout, B, H, d, dv, final), (B, H, dv // bv),
+                num_warps, interpret, q, k, v, b, *init)
+    return (out[0], tuple(out[1:])) if final else out[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC + ("every",))
-def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, c, bv, num_warps=8,
-           interpret=False):
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC + ("every", "final"))
+def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, final=False, c, bv,
+           num_warps=8, interpret=False):
     """The incoming states of every ``every``-th chunk (``DD [B,H,⌈N/every⌉,d,d]``, written by
     value tile 0, ``DV [B,H,⌈N/every⌉,d,dv]``), in the input dtype (float32 checkpoints when
     ``every > 1``), without ``O``; the walk starts from ``init`` (``DD [B,H,1,d,d]``,
-    ``DV [B,H,1,d,dv]``, float32; zeros if None)."""
+    ``DV [B,H,1,d,dv]``, float32; zeros if None).  With ``final``, ``(per_chunk, last)``: also
+    the last chunk's outgoing states, shaped as ``init``."""
     B, Tp, H, d = q.shape
     dv, N = v.shape[-1], Tp // c
     init = tuple(init or ())
 
     def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        init_refs, state_refs = refs[:len(init)], refs[len(init):]
+        init_refs, state_refs = refs[:len(init)], refs[len(init):len(init) + len(layout)]
+        last_refs = refs[len(init) + len(layout):]
         i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
 
@@ -135,13 +159,14 @@ def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, c, bv, num_
                                       b_ref[i, h, ts], *carry)
             return tuple(carry)
 
-        carry = (tuple(x.astype(F32) for x in _read(layout, init_refs, i, h, 0, vs)) if init
-                 else _zeros(layout, d, bv))
-        jax.lax.fori_loop(0, N, body, carry)
+        last = jax.lax.fori_loop(0, N, body, _initial(layout, init_refs, i, h, vs, d, bv))
+        _write(layout, last_refs, last, i, h, 0, vs, j, shared=True)
 
     dtype = F32 if every > 1 else q.dtype
-    return tuple(_call(kernel, _state_shapes(layout, B, H, -(-N // every), d, dv, dtype),
-                       (B, H, dv // bv), num_warps, interpret, q, k, v, b, *init))
+    out = _call(kernel, _state_shapes(layout, B, H, -(-N // every), d, dv, dtype)
+                + _last_shapes(layout, B, H, d, dv, final), (B, H, dv // bv), num_warps, interpret,
+                q, k, v, b, *init)
+    return (tuple(out[:len(layout)]), tuple(out[len(layout):])) if final else tuple(out)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
@@ -175,9 +200,8 @@ def dstates(chunk_backward, layout, q, k, v, b, *saved_do, init=None, c, bv, num
                                  b_ref[i, h, ts], *saved, do_ref[i, ts, h, vs], *carry)
             return tuple(out[4:])
 
-        carry = (tuple(x.astype(F32) for x in _read(layout, init_refs, i, h, 0, vs, j)) if init
-                 else _zeros(layout, d, bv))
-        _write(layout, first_refs, jax.lax.fori_loop(0, N, body, carry), i, h, 0, vs, j, shared=False)
+        first = jax.lax.fori_loop(0, N, body, _initial(layout, init_refs, i, h, vs, d, bv, j))
+        _write(layout, first_refs, first, i, h, 0, vs, j, shared=False)
 
     out = _call(kernel, _state_shapes(layout, B, H, N, d, dv, q.dtype, nv)
                 + _state_shapes(layout, B, H, 1, d, dv, F32, nv), (B, H, nv), num_warps, interpret,

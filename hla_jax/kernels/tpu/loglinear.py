@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from hla_jax.kernels.hla2_chunk import F32, at_end
+from hla_jax.kernels.la_chunk import F32, at_end
 from hla_jax.kernels.loglinear_chunk import (
     block_end,
     chunk_backward,

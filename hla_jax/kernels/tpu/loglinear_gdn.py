@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hla_jax.kernels import loglinear_gdn_chunk as chunk
-from hla_jax.kernels.hla2_chunk import F32
+from hla_jax.kernels.la_chunk import F32
 from hla_jax.kernels.tpu.walk import heads_first
 
 

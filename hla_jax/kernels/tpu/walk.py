@@ -1,5 +1,6 @@
-"""The HLA chunk walks for TPU (Mosaic).  UNTESTED ON TPU HARDWARE: no TPU was available; the
-tests run them in interpret mode on CPU and check that they lower through Mosaic.
+"""The chunk walks of LA and the HLA family for TPU (Mosaic).  UNTESTED ON TPU HARDWARE: no TPU
+was available; the tests run them in interpret mode on CPU and check that they lower through
+Mosaic.
 
 The TPU way of ``kernels/gpu/walk.py`` (same five kernels, same interface; ``bv``/``num_warps``
 are ignored and there is one value tile, ``nv = 1``): grid ``(B, H, N)``, each step's ``[c, d]``
@@ -20,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hla_jax.kernels.gpu.walk import DD, STATIC
-from hla_jax.kernels.hla2_chunk import F32
+from hla_jax.kernels.la_chunk import F32
 
 
 def heads_first(x):
@@ -65,6 +66,20 @@ def _start(scratch, init_refs=()):
             s[...] = init_refs[k][...].astype(F32) if init_refs else jnp.zeros_like(s)
 
 
+def _store_last(scratch, refs, N):
+    """At the last chunk (after ``_advance``), copy the carried states to ``refs``."""
+    @pl.when(pl.program_id(2) == N - 1)
+    def _():
+        for ref, s in zip(refs, scratch):
+            ref[...] = s[...]
+
+
+def _ends(layout, B, H, d, dv, share=False):
+    """Shapes and blocks of one float32 state per layout entry, the same block at every grid step:
+    the walks' ``init`` and last states."""
+    return _state_io(layout, B, H, 1, d, dv, F32, lambda n: 0, share)
+
+
 def _advance(scratch, outputs):
     """Store the trailing ``len(scratch)`` outputs (the new states) in ``scratch``; return the
     leading ones."""
@@ -85,40 +100,50 @@ def _call(kernel, out_shape, in_specs, out_specs, grid, scratch, sequential, int
     )(heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, grid[2], 1, c), *rest)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
-def forward(chunk_forward, layout, q, k, v, b, *, c, bv=None, num_warps=None, interpret=False):
-    """As ``kernels.gpu.walk.forward``: ``O [B,Tp,H,dv]`` float32."""
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC + ("final",))
+def forward(chunk_forward, layout, q, k, v, b, *, init=None, final=False, c, bv=None,
+            num_warps=None, interpret=False):
+    """As ``kernels.gpu.walk.forward``: ``O [B,Tp,H,dv]`` float32 from ``init`` (float32, zeros if
+    None), with ``final`` ``(O, last)``."""
     B, Tp, H, d = q.shape
-    dv, N = v.shape[-1], Tp // c
+    dv, N, init = v.shape[-1], Tp // c, tuple(init or ())
     tile, gate = specs(c, False, N)
+    end_shapes, end_blocks = _ends(layout, B, H, d, dv)
+    n_last = len(layout) if final else 0
 
-    def kernel(q_ref, k_ref, v_ref, b_ref, o_ref, *scratch):
-        _start(scratch)
+    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
+        init_refs, (o_ref, *refs) = refs[:len(init)], refs[len(init):]
+        last_refs, scratch = refs[:n_last], refs[n_last:]
+        _start(scratch, init_refs)
         o_ref[...], = _advance(scratch, chunk_forward(q_ref[...], k_ref[...], v_ref[...], b_ref[0],
                                                       *(s[...] for s in scratch)))
+        _store_last(scratch, last_refs, N)
 
-    O = _call(kernel, jax.ShapeDtypeStruct((B, H, Tp, dv), F32), [tile(d), tile(d), tile(dv), gate],
-              tile(dv), (B, H, N), [pltpu.VMEM((d, w), F32) for w in _widths(layout, d, dv)],
-              True, interpret, q, k, v, b)
-    return heads_first(O)
+    out = _call(kernel, [jax.ShapeDtypeStruct((B, H, Tp, dv), F32)] + end_shapes[:n_last],
+                [tile(d), tile(d), tile(dv), gate, *end_blocks[:len(init)]],
+                [tile(dv)] + end_blocks[:n_last], (B, H, N),
+                [pltpu.VMEM((d, w), F32) for w in _widths(layout, d, dv)], True, interpret,
+                q, k, v, b, *init)
+    return (heads_first(out[0]), tuple(out[1:])) if final else heads_first(out[0])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC + ("every",))
-def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, c, bv=None, num_warps=None,
-           interpret=False):
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC + ("every", "final"))
+def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, final=False, c, bv=None,
+           num_warps=None, interpret=False):
     """As ``kernels.gpu.walk.states``: the incoming states of every ``every``-th chunk, input
     dtype (float32 checkpoints when ``every > 1``), the walk starting from ``init`` (float32,
-    zeros if None)."""
+    zeros if None); with ``final`` ``(per_chunk, last)``."""
     B, Tp, H, d = q.shape
     dv, N, init = v.shape[-1], Tp // c, tuple(init or ())
     tile, gate = specs(c, False, N)
     shapes, blocks = _state_io(layout, B, H, -(-N // every), d, dv, F32 if every > 1 else q.dtype,
                                lambda n: jax.lax.div(n, every))  # n >= 0: no floor fix-up
-    _, init_blocks = _state_io(layout, B, H, 1, d, dv, F32, lambda n: 0)
+    end_shapes, end_blocks = _ends(layout, B, H, d, dv)
+    L, n_last = len(layout), len(layout) if final else 0
 
     def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        init_refs, saved, scratch = refs[:len(init)], refs[len(init):len(init) + len(layout)], \
-            refs[len(init) + len(layout):]
+        init_refs, refs = refs[:len(init)], refs[len(init):]
+        saved, last, scratch = refs[:L], refs[L:L + n_last], refs[L + n_last:]
         _start(scratch, init_refs)
         xs = [s[...] for s in scratch]
 
@@ -128,10 +153,14 @@ def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, c, bv=None,
                 ref[...] = x.astype(ref.dtype)
 
         _advance(scratch, chunk_forward(q_ref[...], k_ref[...], v_ref[...], b_ref[0], *xs))
+        _store_last(scratch, last, N)
 
-    return tuple(_call(kernel, shapes, [tile(d), tile(d), tile(dv), gate, *init_blocks[:len(init)]],
-                       blocks, (B, H, N), [pltpu.VMEM((d, w), F32) for w in _widths(layout, d, dv)],
-                       True, interpret, q, k, v, b, *init))
+    out = _call(kernel, shapes + end_shapes[:n_last],
+                [tile(d), tile(d), tile(dv), gate, *end_blocks[:len(init)]],
+                blocks + end_blocks[:n_last], (B, H, N),
+                [pltpu.VMEM((d, w), F32) for w in _widths(layout, d, dv)], True, interpret,
+                q, k, v, b, *init)
+    return (tuple(out[:L]), tuple(out[L:])) if final else tuple(out)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
@@ -144,7 +173,7 @@ def dstates(chunk_backward, layout, q, k, v, b, *saved_do, init=None, c, bv=None
     tile, gate = specs(c, True, N)
     shapes, blocks = _state_io(layout, B, H, N, d, dv, q.dtype, lambda n: N - 1 - n, share=True)
     _, state_blocks = _state_io(layout, B, H, N, d, dv, q.dtype, lambda n: N - 1 - n)
-    end_shapes, end_blocks = _state_io(layout, B, H, 1, d, dv, F32, lambda n: 0, share=True)
+    end_shapes, end_blocks = _ends(layout, B, H, d, dv, share=True)
     widths = _widths(layout, d, dv)
 
     def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
@@ -159,11 +188,7 @@ def dstates(chunk_backward, layout, q, k, v, b, *saved_do, init=None, c, bv=None
         saved = [ref[...] for ref in state_refs] if L else [jnp.zeros((d, w), q.dtype) for w in widths]
         out = chunk_backward(q_ref[...], k_ref[...], v_ref[...], b_ref[0], *saved, do_ref[...], *xs)
         _advance(scratch, out[4:])
-
-        @pl.when(pl.program_id(2) == N - 1)
-        def _():
-            for ref, s in zip(first, scratch):
-                ref[...] = s[...]
+        _store_last(scratch, first, N)
 
     *saved, do = saved_do
     out = _call(kernel, shapes + end_shapes,

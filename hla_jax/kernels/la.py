@@ -1,0 +1,107 @@
+"""``la_pallas``: first-order scalar-gated linear attention (LA, SPEC §7) through Pallas kernels.
+
+    LA(q,k,v;g)_t = Σ_{s≤t} D(t,s) (q_t·k_s) v_s + D(t,-1) q_tᵀ H0
+    H_T = D(T-1,-1) H0 + Σ_s D(T-1,s) k_s v_sᵀ
+
+with ``D(t,s) = exp(g_{s+1}+…+g_t)``, ``D(t,-1) = exp(g_0+…+g_t)``.  Shapes: ``q, k [B,T,H,d]``,
+``v [B,T,H,dv]``, ``g`` a log-decay ``[B,T,H]``, ``[H]`` or None (no decay), ``initial_state``
+``H0 [B,H,d,dv]`` (float32 state) or None (zeros).  This is ``ops.mamba2`` /
+``ops.linear_attention`` (the Mamba-2 SSD core) and the building block of every HLA operator
+(SPEC §7), so it is differentiable in all of ``q, k, v, g, initial_state``.
+
+Backends:
+
+- ``"mosaic_gpu"`` (``kernels/gpu/la_mgpu.py``, Hopper, wgmma and TMA): taken by default on a
+  GPU where ``la_mgpu.supports`` says so (16-bit inputs, its head dims, chunk 64);
+- ``"triton"`` (``kernels/gpu/walk.py``): the generic chunk walks with the chunk step
+  ``kernels/la_chunk.py`` (one float32 ``d×bv`` state per value tile), through
+  ``wrap.stateful_core``: forward as a ``states`` walk plus chunk-parallel outputs, backward
+  recomputing the states, a reverse walk of the state cotangent, chunk-parallel gradients;
+  the default elsewhere on a GPU, and on CPU in interpret mode.  Checked on the H200 against
+  the reference (bf16, and float32 at ``d = 128`` with ``wrap.F32_GPU_TILE`` tiles of 64);
+- ``"tpu"`` (``kernels/tpu/walk.py``, Mosaic TPU): the same walks; the default on a TPU.
+  Tested in interpret mode and checked to lower only: no TPU was available.
+
+``dg`` follows by autodiff of the chunk-local cumulative log-decay (``wrap.chunk_log_decay``,
+floored at ``wrap.LOG_DECAY_FLOOR`` so that a reset ``g = -inf`` stays finite).  Inputs other
+than all-bf16 run in float32 on the walks; ``T`` is zero-padded to the chunk, ``d`` to a power of
+two >= 16 and ``dv`` to the value tile (to 64 for Mosaic GPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+
+from hla_jax.kernels import wrap
+from hla_jax.ops.common import check_gate, check_qkv
+
+BACKENDS = ("mosaic_gpu", "triton", "tpu")
+MGPU_CHUNK = 64  # the Mosaic GPU kernels' chunk and value tile
+# the walks' tuning (wrap.prepare), the fastest measured on the H200 (bf16, B=4, T=8192, H=16,
+# d=dv=128: 0.79 ms forward, 2.73 ms forward+backward; XLA chunked 2.46 / 8.10 ms)
+WALK_TUNING = dict(block_v=64, block_v_bwd=128, parallel_forward=True)
+
+
+def _mosaic_gpu():
+    """``kernels.gpu.la_mgpu``, or None where that module is not there."""
+    name = "hla_jax.kernels.gpu.la_mgpu"
+    return importlib.import_module(name) if importlib.util.find_spec(name) else None
+
+
+def _default_backend(q, k, v, chunk_size):
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return "tpu"
+    mgpu = _mosaic_gpu() if platform == "gpu" else None
+    return "mosaic_gpu" if mgpu is not None and mgpu.supports(q, k, v, chunk_size) else "triton"
+
+
+def _pad_state(h0, B, H, d, dv):
+    """``h0 [B,H,·,·]`` as float32 ``[B,H,d,dv]`` (zero-padded); zeros when None."""
+    if h0 is None:
+        return jnp.zeros((B, H, d, dv), jnp.float32)
+    return jnp.pad(h0.astype(jnp.float32),
+                   ((0, 0), (0, 0), (0, d - h0.shape[2]), (0, dv - h0.shape[3])))
+
+
+def la_pallas(q, k, v, g=None, *, initial_state=None, return_final_state=False, chunk_size=64,
+              backend=None, interpret=None):
+    """LA via Pallas (see the module docstring) -> ``o [B,T,H,dv]`` float32, or
+    ``(o, final_state [B,H,d,dv] float32)`` when ``return_final_state``.
+
+    ``chunk_size``: a power of two >= 16 (64 for Mosaic GPU); ``backend``: None (the default of
+    the platform, module docstring) | "mosaic_gpu" | "triton" | "tpu"; ``interpret=None`` runs
+    compiled on GPU/TPU and in interpret mode on CPU.
+    """
+    name = "la_pallas"
+    B, T, H, d, dv = check_qkv(q, k, v, name=name)
+    g = check_gate(g, B, T, H, name=name)
+    if initial_state is not None and jnp.shape(initial_state) != (B, H, d, dv):
+        raise ValueError(f"{name}: initial_state must have shape [B,H,d,dv]={(B, H, d, dv)}, got "
+                         f"{jnp.shape(initial_state)}")
+    backend = _default_backend(q, k, v, chunk_size) if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"{name}: backend must be None or one of {BACKENDS}, got {backend!r}")
+    if backend == "mosaic_gpu":
+        if chunk_size != MGPU_CHUNK:
+            raise ValueError(f"{name}: chunk_size must be {MGPU_CHUNK} for backend='mosaic_gpu', "
+                             f"got {chunk_size!r}")
+        interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+        Tp, dvp = (-(-n // MGPU_CHUNK) * MGPU_CHUNK for n in (T, dv))
+        o, hT = _mosaic_gpu().core(
+            wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, dvp),
+            wrap.chunk_gate(g, B, H, Tp, MGPU_CHUNK), _pad_state(initial_state, B, H, d, dvp),
+            interpret=interpret)
+    else:
+        p = wrap.prepare("la", q, k, v, g, chunk_size=chunk_size, interpret=interpret,
+                         platform="tpu" if backend == "tpu" else "gpu", **WALK_TUNING)
+        stateful = initial_state is not None or return_final_state
+        h0 = (_pad_state(initial_state, B, H, p.q.shape[-1], p.v.shape[-1]),) if stateful else ()
+        o, hT = wrap.stateful_core(p.q, p.k, p.v, p.b, h0, p.cfg)
+        hT = hT[0] if stateful else None
+    o = o[:, :T, :, :dv]
+    return (o, hT[..., :d, :dv]) if return_final_state else o
