@@ -1,6 +1,6 @@
 """Benchmark our first-order gated linear-attention kernel and the HLA chains built on it against
-the ``jax-linear-attention`` wheel (``jla``), cuDNN causal attention, the fused HLA kernels and our
-XLA chunked forms, on one GPU.
+the ``jax-linear-attention`` wheel (``jla``), cuDNN causal attention and our XLA chunked forms, on
+one GPU.
 
     python experiments/bench_kernels.py                       # the default methods at T = 2048 … 65536
     python experiments/bench_kernels.py --T 2048,8192 --name kernels_bench_short --budget 420
@@ -15,21 +15,19 @@ Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
 - ``jla_simple_gla``, ``jla_gated_deltanet``: the wheel's Mosaic GPU kernels at ``scale=1`` (our
   operators do not scale q);
 - ``cudnn_causal``: ``jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")``;
-- ``hla2_fused``, ``ahla_fused``, ``hla3_fused``: the fused kernels
-  ``hla_jax.kernels.<op>.<op>_pallas``, imported when the run starts: a method whose import fails
-  (its module deleted, or ``jla`` not installed) is reported unavailable and skipped;
 - ``mamba2_xla_chunked``, ``<op>_xla_chunked``: ``impl="chunked"``;
 - only when named in ``--methods``: the log-linear kernels (``loglinear_mamba2_pallas``,
   ``loglinear_gdn_pallas``), their ``_xla_chunked`` forms and the wheel's plain-JAX
   ``jla_log_linear_simple_gla``, which runs out of memory at B·T = 65536, so it and a twin row of
   our kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384 (``SMALL_TOKENS``).
 
-The default ``--methods`` (``DEFAULT_METHODS``) are the ones ``TARGETS`` compare plus the fused and
-XLA rows.  The targets are ratios of median times of two methods at the same T, measured in the
-same process, so runs split by T (then ``--merge``d) keep every ratio within one run.  The methods
-a target names run first, at every T, then the others.  ``--budget`` seconds: no new (method, T)
-pair starts after it.  The JSON and Markdown are rewritten after every pair, so a run cut off
-keeps what finished.  ``--tune T`` first picks ``loglinear_mamba2_pallas``'s value tile at that T.
+The default ``--methods`` (``DEFAULT_METHODS``) are the ones ``TARGETS`` compare plus the XLA rows.
+A method whose import fails (``jla`` not installed) is reported unavailable and skipped. The targets
+are ratios of median times of two methods at the same T, measured in the same process, so runs split
+by T (then ``--merge``d) keep every ratio within one run. The methods a target names run first, at
+every T, then the others. ``--budget`` seconds: no new (method, T) pair starts after it. The JSON
+and Markdown are rewritten after every pair, so a run cut off keeps what finished. ``--tune T``
+first picks ``loglinear_mamba2_pallas``'s value tile at that T.
 
 bf16, ``--shape H,d,dv`` (default 16,128,128), B·T = ``--tokens``; q and k L2-normalised per token
 and head (the HLA chains' sums grow with their order), per-token log-decays ``g`` in (−0.1, 0].
@@ -41,7 +39,6 @@ Writes ``<out>/<name>.json`` and ``.md``: one row per method, then the targets, 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import operator
 import os
@@ -78,7 +75,7 @@ class Target(NamedTuple):
         return f"{self.num} / {self.den}"
 
 
-COMPARE = {"<=": (operator.le, "≤"), ">=": (operator.ge, "≥"), ">": (operator.gt, ">")}
+COMPARE = {"<=": (operator.le, "≤"), ">=": (operator.ge, "≥")}
 TARGETS = [
     Target("mamba2_pallas", "jla_simple_gla", "<=", 1.2),
     Target("hla2_pallas", "mamba2_pallas", "<=", 2.1),
@@ -86,11 +83,10 @@ TARGETS = [
     Target("hla3_pallas", "mamba2_pallas", "<=", 3.0),
     Target("cudnn_causal", "hla2_pallas", ">=", 3.0, 8192),
     Target("cudnn_causal", "hla2_pallas", ">=", 8.0, 32768),
-    *[Target(f"{op}_fused", f"{op}_pallas", ">", 1.0) for op in HLA],
 ]
 DEFAULT_METHODS = ("mamba2_pallas", "jla_simple_gla", "hla2_pallas", "ahla_pallas", "hla3_pallas",
-                   "cudnn_causal", "jla_gated_deltanet", "hla2_fused", "ahla_fused", "hla3_fused",
-                   "mamba2_xla_chunked", "hla2_xla_chunked", "ahla_xla_chunked", "hla3_xla_chunked")
+                   "cudnn_causal", "jla_gated_deltanet", "mamba2_xla_chunked", "hla2_xla_chunked",
+                   "ahla_xla_chunked", "hla3_xla_chunked")
 SMALL_TOKENS = {"jla_log_linear_simple_gla": 16384, "loglinear_mamba2_pallas_16k": 16384}
 LOGLINEAR_SETTINGS = [dict(block_v_bwd=64), dict(block_v_bwd=128), dict(block_v_bwd=32)]
 
@@ -139,14 +135,6 @@ def _op(name, impl):
     return _ready(lambda q, k, v, g, beta, lam: getattr(ops, name)(q, k, v, g, impl=impl))
 
 
-def _fused(op):
-    """The fused HLA kernel ``hla_jax.kernels.<op>.<op>_pallas`` (imported by ``make()``)."""
-    def make():
-        kernel = getattr(importlib.import_module(f"hla_jax.kernels.{op}"), f"{op}_pallas")
-        return lambda q, k, v, g, beta, lam: kernel(q, k, v, g)
-    return make
-
-
 def _jla(kind, impl, gates):
     """``jla.ops.linear_attention(kind, …, scale=1.0)`` with the gates ``gates(q, g, beta, lam)``."""
     def make():
@@ -180,7 +168,6 @@ def methods(loglinear_kw=None):
                                    lambda q, g, beta, lam: dict(g=g, beta=beta)),
         "cudnn_causal": _ready(lambda q, k, v, g, beta, lam: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn")),
-        **{f"{op}_fused": _fused(op) for op in HLA},
         "mamba2_xla_chunked": _op("mamba2", "chunked"),
         **{f"{op}_xla_chunked": _op(op, "chunked") for op in HLA},
         "loglinear_mamba2_pallas": loglinear,

@@ -90,3 +90,11 @@ def test_auto_takes_the_pallas_chain_where_preferred(rng, monkeypatch):
     np.testing.assert_array_equal(np.asarray(run()), np.asarray(run(impl="pallas")))
     paper = functools.partial(ops.hla3, q, k, v, mask="paper", chunk_size=16)
     np.testing.assert_array_equal(np.asarray(paper()), np.asarray(paper(impl="chunked")))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_pallas_chain_refuses_seq_axis(rng, name):
+    """The Pallas chain does not shard time: ``seq_axis`` is for impl="chunked" (or "auto")."""
+    q, k, v, g = make_inputs(rng, 16, "token", False, np.float32, B=1, H=H, d=8, dv=4)
+    with pytest.raises(ValueError, match="seq_axis"):
+        getattr(ops, name)(q, k, v, g, impl="pallas", seq_axis="sequence")

@@ -1,7 +1,9 @@
 """The first-order LA Pallas kernels (``la_pallas`` on the Triton and TPU chunk walks, interpret
 mode on CPU) vs the quadratic reference: outputs and gradients, padding, gates and resets,
-initial and final states, state passing, bf16, the chunk backward, bad input, lowering for real
-hardware and the ``ops.linear_attention`` / ``ops.mamba2`` dispatch."""
+initial and final states, state passing, bf16, the forward walk and the backward in segments,
+the chunk backward, bad input, float32 tiles on a GPU, lowering for real hardware; and the
+``impl="pallas"`` / ``"auto"`` dispatch of the ops with kernels (``ops.linear_attention``,
+``ops.mamba2``, the log-linear ops), refused where there is none."""
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +13,8 @@ from helpers import assert_close, grads_of, lower_for, make_gate, make_qkv
 
 from hla_jax import kernels, ops
 from hla_jax.kernels import la_chunk, wrap
-from hla_jax.kernels.la import la_pallas
-from hla_jax.ops import reference
+from hla_jax.kernels.la import WALK_TUNING, la_pallas
+from hla_jax.ops import fenwick, reference
 
 TOL = 2e-3
 KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
@@ -129,23 +131,31 @@ def test_bf16(rng):
     assert_matches(rng, lambda *a: la_pallas(*a, chunk_size=16), ref, (q, k, v, g), 2e-2)
 
 
-def test_backward_in_segments_carries_the_initial_state(rng):
-    """``checkpoint_every``: with an initial state the checkpoints start from it, and the
-    cotangent of the final state enters the last segment: the one-segment gradients, ``dh0``
-    included (T=90 in 6 chunks: 3 segments of 2)."""
-    q, k, v = make_qkv(rng, 1, 90, 2, 16, 32)
-    g, h0 = make_gate(rng, 1, 90, 2), jnp.asarray(rng.normal(size=(1, 2, 16, 32)), jnp.float32)
+def core(T, every, **kw):
+    """``(o, hT)`` of ``wrap.core`` from ``h0`` (chunk 16, value tiles 16 / 32)."""
+    def fn(q, k, v, g, h0):
+        p = wrap.prepare(q, k, v, g, chunk_size=16, interpret=True, block_v=16, block_v_bwd=32,
+                         checkpoint_every=every, **kw)
+        o, hT = wrap.core(p.q, p.k, p.v, p.b, h0, p.cfg)
+        return o[:, :T], hT
+    return fn
 
-    def core(every):
-        def fn(q, k, v, g, h0):
-            p = wrap.prepare("la", q, k, v, g, chunk_size=16, interpret=True, block_v=16,
-                             block_v_bwd=32, checkpoint_every=every)
-            o, (hT,) = wrap.stateful_core(p.q, p.k, p.v, p.b, (h0,), p.cfg)
-            return o[:, :90], hT
-        return fn
 
-    assert_matches(rng, core(2), core(None), (q, k, v, g, h0), 1e-5)
-    assert_matches(rng, core(2), la_reference, (q, k, v, g, h0))
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+@pytest.mark.parametrize("parallel_forward", [False, True])
+@pytest.mark.parametrize("T,every", [(90, 2), (70, 4)])
+def test_backward_in_segments_carries_the_initial_state(rng, platform, parallel_forward, T, every):
+    """The forward as one walk or as ``states`` + chunk-parallel ``outputs``; a backward value
+    tile wider than the forward's; ``checkpoint_every``: the backward recomputes the states
+    segment by segment from float32 checkpoints (the first from the initial state) and carries
+    the state cotangent back, from the final state's: the reference, and the one-segment
+    gradients, ``dh0`` included (T=90 in 6 chunks: 3 segments of 2; T=70: 5 chunks padded to 6,
+    2 segments of 3)."""
+    q, k, v = make_qkv(rng, 1, T, 2, 16, 32)
+    g, h0 = make_gate(rng, 1, T, 2), jnp.asarray(rng.normal(size=(1, 2, 16, 32)), jnp.float32)
+    kw = dict(platform=platform, parallel_forward=parallel_forward)
+    assert_matches(rng, core(T, every, **kw), core(T, None, **kw), (q, k, v, g, h0), 1e-5)
+    assert_matches(rng, core(T, every, **kw), la_reference, (q, k, v, g, h0))
 
 
 def test_chunk_backward_is_the_vjp_of_chunk_forward(rng, x64):
@@ -166,35 +176,54 @@ def test_rejects_bad_input(rng):
     q, k, v = make_qkv(rng, 1, 16, 2, 16, 8)
     for kw, match in [(dict(initial_state=jnp.zeros((1, 2, 8, 16))), "initial_state"),
                       (dict(backend="cuda"), "backend"), (dict(chunk_size=24), "chunk_size"),
-                      (dict(backend="mosaic_gpu", chunk_size=32), "chunk_size")]:
+                      (dict(backend="mosaic_gpu", chunk_size=32), "backend='mosaic_gpu' takes")]:
         with pytest.raises(ValueError, match=f"la_pallas: {match}"):
             la_pallas(q, k, v, **kw)
     with pytest.raises(ValueError, match="la_pallas: g"):
         la_pallas(q, k, v, jnp.ones((1, 16, 2)))
     with pytest.raises(ValueError, match="la_pallas: k"):
         la_pallas(q, k[..., :8], v)
-    p = wrap.prepare("hla2", q, k, v, None, chunk_size=16, interpret=True)
-    with pytest.raises(ValueError, match="d×dv"):  # hla2's S is d×d: no state passing
-        wrap.stateful_core(p.q, p.k, p.v, p.b, (jnp.zeros((1, 2, 16, 16)),) * 2, p.cfg)
+    for kw, match in [(dict(block_v=24), "block_v"), (dict(checkpoint_every=0), "checkpoint_every")]:
+        with pytest.raises(ValueError, match=f"la_pallas: {match}"):
+            wrap.prepare(q, k, v, None, **kw)
 
 
-@pytest.mark.parametrize("platform,c", [("cuda", 64), ("tpu", 128)])
-def test_lowers_for_hardware(platform, c):
+def test_float32_at_head_dim_128_gets_smaller_tiles_on_gpu(rng, monkeypatch):
+    """float32 at d=128 does not fit Triton's shared memory at the bf16 tiles: chunk and value
+    tiles are capped at ``wrap.F32_GPU_TILE`` (bf16 and d=64 keep theirs); with no cap, a clear
+    error up front, not a failed compile minutes later."""
+    seen = []
+    monkeypatch.setattr(wrap, "core", lambda q, k, v, b, h0, cfg: seen.append(cfg) or (v, h0))
+    for d, dtype in ((128, jnp.float32), (128, jnp.bfloat16), (64, jnp.float32)):
+        q, k, v = (x.astype(dtype) for x in make_qkv(rng, 1, 100, 1, d, 128))
+        la_pallas(q, k, v, backend="triton", interpret=False)
+    tiles = (64, WALK_TUNING["block_v"], WALK_TUNING["block_v_bwd"])
+    cap = wrap.F32_GPU_TILE["la_pallas"]
+    assert [(x.c, x.bv_fwd, x.bv_bwd) for x in seen] == [tuple(min(t, cap) for t in tiles)] + [tiles] * 2
+    monkeypatch.setattr(wrap, "F32_GPU_TILE", {})
+    with pytest.raises(ValueError, match="bf16"):
+        la_pallas(*make_qkv(rng, 1, 16, 1, 128, 16), backend="triton", interpret=False)
+
+
+@pytest.mark.parametrize("platform,c,parallel_forward", [
+    ("cuda", 64, False), ("cuda", 64, True), ("tpu", 128, False), ("tpu", 128, True)])
+def test_lowers_for_hardware(platform, c, parallel_forward):
     """Forward and backward, with initial and final states and backward segments, pass the real
-    Triton (H200) / Mosaic TPU lowering: no device needed."""
+    Triton (H200) / Mosaic TPU lowering at la_pallas's tiles: no device needed."""
     B, T, H, d, dv = 1, 4 * c, 2, 128, 128
     x = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
-    backend = "tpu" if platform == "tpu" else "triton"
 
     def loss(q, k, v, g, h0):
-        o, hT = la_pallas(q, k, v, g, initial_state=h0, return_final_state=True, chunk_size=c,
-                          backend=backend, interpret=False)
+        p = wrap.prepare(q, k, v, g, chunk_size=c, interpret=False, checkpoint_every=2,
+                         platform="tpu" if platform == "tpu" else "gpu",
+                         **dict(WALK_TUNING, parallel_forward=parallel_forward))
+        o, hT = wrap.core(p.q, p.k, p.v, p.b, h0, p.cfg)
         return o.sum() + hT.sum()
 
     text = lower_for(platform, jax.grad(loss, argnums=(0, 1, 2, 3, 4)), x(B, T, H, d),
                      x(B, T, H, d), x(B, T, H, dv), jax.ShapeDtypeStruct((B, T, H), jnp.float32),
                      jax.ShapeDtypeStruct((B, H, d, dv), jnp.float32))
-    assert text.count(KERNEL_CALL[platform]) >= 3  # states, dstates, grads (grad drops outputs)
+    assert text.count(KERNEL_CALL[platform]) >= 4  # checkpoints, states, dstates, grads
 
 
 @pytest.mark.parametrize("entry", ["linear_attention", "mamba2"])
@@ -213,3 +242,42 @@ def test_ops_dispatch(rng, entry, monkeypatch):
     fn(*bf, g, impl="auto")
     fn(*bf[:2], v, g, impl="auto")  # float32 values: XLA's chunked form
     assert seen == [jnp.bfloat16]
+
+
+@pytest.mark.parametrize("name,extra", [("loglinear_mamba2", ("lam",)),
+                                        ("loglinear_gated_deltanet", ("beta", "lam"))])
+def test_loglinear_ops_dispatch(rng, name, extra):
+    """``ops.<name>(..., impl="pallas")`` runs the log-linear kernel (interpret mode on CPU)."""
+    B, T, H, d, dv = 1, 40, 2, 16, 16
+    q, k, v = make_qkv(rng, B, T, H, d, dv)
+    g = make_gate(rng, B, T, H)
+    kw = {}
+    if "beta" in extra:
+        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+        kw["beta"] = jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.float32)
+    kw["lam"] = jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, fenwick.num_levels(T))), jnp.float32)
+    entry = getattr(ops, name)
+    assert_close(entry(q, k, v, g, *kw.values(), impl="pallas", chunk_size=16),
+                 entry(q, k, v, g, *kw.values(), impl="reference"), TOL)
+
+
+def test_pallas_impl_is_refused_where_there_is_no_kernel(rng):
+    q, k, v = make_qkv(rng, 1, 16, 1, 16, 16)
+    with pytest.raises(ValueError, match="pallas"):
+        ops.hla3(q, k, v, mask="paper", impl="pallas")
+    with pytest.raises(ValueError, match="pallas"):
+        ops.gated_deltanet(q, k, v, make_gate(rng, 1, 16, 1), jnp.full((1, 16, 1), 0.5),
+                           impl="pallas")
+
+
+def test_auto_prefers_the_kernel_only_for_bf16_on_a_gpu(monkeypatch):
+    """``impl="auto"``: Pallas on a GPU for all-bf16 inputs without sequence sharding, else XLA."""
+    from hla_jax.ops.common import pallas_preferred
+
+    bf16, f32 = jnp.zeros((1, 4, 1, 16), jnp.bfloat16), jnp.zeros((1, 4, 1, 16), jnp.float32)
+    assert not pallas_preferred(None, 64, bf16, bf16)  # this machine is a CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert pallas_preferred(None, 64, bf16, bf16)
+    assert not pallas_preferred(None, 64, bf16, f32)
+    assert not pallas_preferred("sequence", 64, bf16, bf16)
+    assert not pallas_preferred(None, 8, bf16, bf16)  # the kernels' chunks are >= 16

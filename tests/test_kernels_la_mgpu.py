@@ -96,3 +96,23 @@ def test_pieces_equal_one_walk(rng, monkeypatch):
     (o1, h1), g1 = run(64)
     for a, b, what in zip((o4, h4, *g4), (o1, h1, *g1), ("O", "H_T", "dq", "dk", "dv", "dg", "dh0")):
         assert_close(a, b, 1e-5, what)
+
+
+def test_entry_pads_and_refuses(rng):
+    """``la_pallas(backend="mosaic_gpu")``: a ragged T, a value width off the tile, a per-head
+    gate and an initial state go through the entry's padding (bf16 against the reference);
+    inputs the kernels do not take are refused with the reason."""
+    from hla_jax.kernels import la_pallas
+    from hla_jax.ops import reference
+
+    B, T, H, d, dv = 1, 100, 2, 64, 40
+    q, k = (jnp.asarray(rng.normal(size=(B, T, H, d)) / np.sqrt(d), jnp.bfloat16) for _ in "qk")
+    v = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.bfloat16)
+    g = jnp.asarray(-rng.uniform(0, 0.3, (H,)), jnp.float32)
+    o = la_pallas(q, k, v, g, backend="mosaic_gpu", interpret=True)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    assert_close(o, reference.linear_attention(*f32, jnp.broadcast_to(g, (B, T, H))), TOL)
+    with pytest.raises(ValueError, match="16-bit"):
+        la_pallas(q.astype(jnp.float32), k, v, g, backend="mosaic_gpu", interpret=True)
+    with pytest.raises(ValueError, match="chunk_size"):
+        la_pallas(q, k, v, g, backend="mosaic_gpu", interpret=True, chunk_size=32)

@@ -171,7 +171,7 @@ def test_loglinear_mamba2_pallas_lowers_for_hardware(platform, c):
 
 
 def test_float32_at_head_dim_128_gets_smaller_tiles_on_gpu():
-    """As for the HLA kernels: float32 at d=128, compiled for a GPU, caps every tile at
+    """As for ``la_pallas``: float32 at d=128, compiled for a GPU, caps every tile at
     ``wrap.F32_GPU_TILE`` (Triton's shared memory); bf16 keeps the requested tiles."""
     from hla_jax.kernels import wrap
 

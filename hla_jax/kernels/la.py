@@ -13,12 +13,12 @@ Backends:
 
 - ``"mosaic_gpu"`` (``kernels/gpu/la_mgpu.py``, Hopper, wgmma and TMA): taken by default on a
   GPU where ``la_mgpu.supports`` says so (16-bit inputs, its head dims, chunk 64);
-- ``"triton"`` (``kernels/gpu/walk.py``): the generic chunk walks with the chunk step
-  ``kernels/la_chunk.py`` (one float32 ``d×bv`` state per value tile), through
-  ``wrap.stateful_core``: forward as a ``states`` walk plus chunk-parallel outputs, backward
-  recomputing the states, a reverse walk of the state cotangent, chunk-parallel gradients;
-  the default elsewhere on a GPU, and on CPU in interpret mode.  Checked on the H200 against
-  the reference (bf16, and float32 at ``d = 128`` with ``wrap.F32_GPU_TILE`` tiles of 64);
+- ``"triton"`` (``kernels/gpu/walk.py``): the chunk walks over the chunk step
+  ``kernels/la_chunk.py`` (one float32 ``d×bv`` state per value tile), through ``wrap.core``:
+  forward as a ``states`` walk plus chunk-parallel outputs, backward recomputing the states, a
+  reverse walk of the state cotangent, chunk-parallel gradients; the default elsewhere on a
+  GPU, and on CPU in interpret mode.  Checked on the H200 against the reference (bf16, and
+  float32 at ``d = 128`` with ``wrap.F32_GPU_TILE`` tiles of 64);
 - ``"tpu"`` (``kernels/tpu/walk.py``, Mosaic TPU): the same walks; the default on a TPU.
   Tested in interpret mode and checked to lower only: no TPU was available.
 
@@ -30,34 +30,24 @@ two >= 16 and ``dv`` to the value tile (to 64 for Mosaic GPU).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 
 from hla_jax.kernels import wrap
+from hla_jax.kernels.gpu import la_mgpu
 from hla_jax.ops.common import check_gate, check_qkv
 
 BACKENDS = ("mosaic_gpu", "triton", "tpu")
-MGPU_CHUNK = 64  # the Mosaic GPU kernels' chunk and value tile
 # the walks' tuning (wrap.prepare), the fastest measured on the H200 (bf16, B=4, T=8192, H=16,
 # d=dv=128: 0.79 ms forward, 2.73 ms forward+backward; XLA chunked 2.46 / 8.10 ms)
 WALK_TUNING = dict(block_v=64, block_v_bwd=128, parallel_forward=True)
-
-
-def _mosaic_gpu():
-    """``kernels.gpu.la_mgpu``, or None where that module is not there."""
-    name = "hla_jax.kernels.gpu.la_mgpu"
-    return importlib.import_module(name) if importlib.util.find_spec(name) else None
 
 
 def _default_backend(q, k, v, chunk_size):
     platform = jax.default_backend()
     if platform == "tpu":
         return "tpu"
-    mgpu = _mosaic_gpu() if platform == "gpu" else None
-    return "mosaic_gpu" if mgpu is not None and mgpu.supports(q, k, v, chunk_size) else "triton"
+    return "mosaic_gpu" if la_mgpu.supports(q, k, v, chunk_size) else "triton"
 
 
 def _pad_state(h0, B, H, d, dv):
@@ -87,21 +77,22 @@ def la_pallas(q, k, v, g=None, *, initial_state=None, return_final_state=False, 
     if backend not in BACKENDS:
         raise ValueError(f"{name}: backend must be None or one of {BACKENDS}, got {backend!r}")
     if backend == "mosaic_gpu":
-        if chunk_size != MGPU_CHUNK:
-            raise ValueError(f"{name}: chunk_size must be {MGPU_CHUNK} for backend='mosaic_gpu', "
-                             f"got {chunk_size!r}")
+        if not la_mgpu.takes(q, k, v, chunk_size):
+            raise ValueError(
+                f"{name}: backend='mosaic_gpu' takes 16-bit q, k, v of one dtype with head dim in "
+                f"{la_mgpu.HEAD_DIMS} and chunk_size={la_mgpu.C}; got {q.dtype}/{k.dtype}/{v.dtype}"
+                f", d={d}, chunk_size={chunk_size!r} (backend='triton' takes any)")
         interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-        Tp, dvp = (-(-n // MGPU_CHUNK) * MGPU_CHUNK for n in (T, dv))
-        o, hT = _mosaic_gpu().core(
+        Tp, dvp = (-(-n // la_mgpu.C) * la_mgpu.C for n in (T, dv))
+        o, hT = la_mgpu.core(
             wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, dvp),
-            wrap.chunk_gate(g, B, H, Tp, MGPU_CHUNK), _pad_state(initial_state, B, H, d, dvp),
+            wrap.chunk_gate(g, B, H, Tp, la_mgpu.C), _pad_state(initial_state, B, H, d, dvp),
             interpret=interpret)
     else:
-        p = wrap.prepare("la", q, k, v, g, chunk_size=chunk_size, interpret=interpret,
+        p = wrap.prepare(q, k, v, g, chunk_size=chunk_size, interpret=interpret,
                          platform="tpu" if backend == "tpu" else "gpu", **WALK_TUNING)
         stateful = initial_state is not None or return_final_state
-        h0 = (_pad_state(initial_state, B, H, p.q.shape[-1], p.v.shape[-1]),) if stateful else ()
-        o, hT = wrap.stateful_core(p.q, p.k, p.v, p.b, h0, p.cfg)
-        hT = hT[0] if stateful else None
+        h0 = _pad_state(initial_state, B, H, p.q.shape[-1], p.v.shape[-1]) if stateful else None
+        o, hT = wrap.core(p.q, p.k, p.v, p.b, h0, p.cfg)
     o = o[:, :T, :, :dv]
     return (o, hT[..., :d, :dv]) if return_final_state else o

@@ -1,11 +1,11 @@
 """One chunk of first-order scalar-gated linear attention (LA), forward and backward (SPEC §7).
 
-LA is the base of every chunk step: the helpers here (``dot``, ``decays``, ``at_end``) serve all
-of them.  The NVIDIA (Triton) and TPU (Mosaic) walks call these on ``[c, ·]`` tiles of one
-(batch, head, value tile) with the state in float32.  Notation (one chunk, local positions τ):
-``b_τ`` = local cumulative log-decay, ``ρ = exp(b)``, ``ρ_c = ρ`` at the chunk end,
-``γ = ρ_c / ρ`` (decay to the chunk end), ``Γ[t,s] = ρ_t / ρ_s`` (``s ≤ t``, else 0).  State
-``S = Σ D k vᵀ: d×bv`` (layout ``(DV,)``):
+LA is the base of every chunk step: the helpers here (``dot``, ``decays``, ``at_end``) serve the
+log-linear ones too.  The NVIDIA (Triton) and TPU (Mosaic) walks call these on ``[c, ·]`` tiles
+of one (batch, head, value tile) with the state in float32.  Notation (one chunk, local
+positions τ): ``b_τ`` = local cumulative log-decay, ``ρ = exp(b)``, ``ρ_c = ρ`` at the chunk
+end, ``γ = ρ_c / ρ`` (decay to the chunk end), ``Γ[t,s] = ρ_t / ρ_s`` (``s ≤ t``, else 0).
+State ``S = Σ D k vᵀ: d×bv``:
 
     O  = diag(ρ) Q S0 + ((Q Kᵀ) ∘ Γ) V
     S1 = ρ_c S0 + (γ∘K)ᵀ V

@@ -3,7 +3,7 @@ chunk-level states: small 2-D matmuls shared by the NVIDIA (Triton) and TPU (Mos
 
 One chunk of ``c = 2^lc`` tokens, local positions τ, σ; ``bb`` the local cumulative log-decay,
 ``ρ = exp(bb)``, ``ρ_c`` its value at the chunk end, ``γ = ρ_c / ρ``, ``Γ[τ,σ] = ρ_τ / ρ_σ``
-(σ ≤ τ), as in ``hla2_chunk``.  ``lams[ℓ]: [c]`` is ``λ^{(ℓ)}`` of the chunk's tokens.  Levels
+(σ ≤ τ), as in ``la_chunk``.  ``lams[ℓ]: [c]`` is ``λ^{(ℓ)}`` of the chunk's tokens.  Levels
 ``0..lc`` live inside the chunk: ``Λ[τ,σ] = λ_τ^{ℓ(τ,σ)}``, ``ℓ = bit_length(τ XOR σ)``.
 
 Chunk ``n`` sees chunk ``n' < n`` at level ``lc + bit_length(n XOR n')``: slot ``j < P`` of the

@@ -1,172 +1,112 @@
-"""Shared plumbing of the chunked Pallas operators on the generic chunk walks (``la_pallas``,
-``hla2_pallas``, ``ahla_pallas``, ``hla3_pallas``).
+"""Plumbing of the Pallas kernels: the chunk-walk path of ``la_pallas`` (``prepare`` and
+``core``, over ``kernels/gpu/walk.py`` (Triton) or ``kernels/tpu/walk.py`` (Mosaic)) and the
+launch helpers it shares with the log-linear kernels (``launch``, ``pad``, ``chunk_log_decay``,
+``backend_module``, ``F32_GPU_TILE``).
 
-A family ``f`` is its one-chunk step ``kernels/f_chunk.py`` (``chunk_forward``,
-``chunk_backward``) and its state layout ``LAYOUTS[f]`` (``DD``: ``d×d``, ``DV``: ``d×dv``); the
-chunk walks ``kernels/gpu/walk.py`` (Triton) and ``kernels/tpu/walk.py`` (Mosaic) run any
-family:
-
-- ``forward``: ``q, k [B,Tp,H,d]``, ``v [B,Tp,H,dv]``, ``b [B,H,Tp]`` (per-chunk cumulative
-  log-decay) -> ``O [B,Tp,H,dv]`` float32, by one walk over the chunks;
-- ``states`` (a walk) and ``outputs`` (chunk-parallel): the same ``O`` in two kernels, through
-  every chunk's incoming states (``Config.parallel_forward``);
-- ``dstates`` (a reverse walk) and ``grads`` (chunk-parallel): the cotangents, from the saved
-  states and the cotangents of every chunk's outgoing states.
-
-``stateful_core`` is the ``jax.custom_vjp`` over these (``chunked_core``: from zero states, no
-final state): the forward keeps only its inputs; the backward re-runs ``states`` (recompute,
-transient), walks ``dstates`` back, and then computes every chunk's ``dq, dk, dv, db`` at once:
-only the two cheap state walks are sequential.  With initial states ``h0`` (``d×dv`` layouts:
-LA, AHLA) the walks start from them and write the final states ``hT``; the backward seeds the
-reverse walk with ``dhT`` and returns its last carry as ``dh0``.  A sequence longer than
-``checkpoint_every`` chunks is done in equal segments, last first: one ``states`` walk writes
-float32 checkpoints (each segment's incoming state), then per segment ``states`` from its
+``core`` is LA on padded inputs as a ``jax.custom_vjp`` over the walks, from an initial state
+``h0`` (or zeros) to the final state ``hT``.  The forward keeps only its inputs: one
+``forward`` walk, or (``Config.parallel_forward``) the ``states`` walk plus the chunk-parallel
+``outputs``.  The backward re-runs ``states`` (recompute, transient), walks ``dstates`` back
+from ``dhT`` and computes every chunk's ``dq, dk, dv, db`` at once (``grads``): only the two
+cheap state walks are sequential; the reverse walk's last carry is ``dh0``.  A sequence longer
+than ``checkpoint_every`` chunks is done in equal segments, last first: one ``states`` walk
+writes float32 checkpoints (each segment's incoming state), then per segment ``states`` from its
 checkpoint, ``dstates`` from the cotangent carried back from the next segment, and ``grads``;
 per-chunk states are held for one segment at a time.
-``prepare`` pads the inputs (``T`` to the chunk, ``d`` to a power of two >= 16, ``dv`` to a
-multiple of the value tile) and turns gates into ``chunk_log_decay``; ``pallas_operator`` is the
-public entry of the HLA operators: input checks, ``prepare``, ratio normalisation by a second
-call on a 16-wide value tile ``[1, 0, …, 0]`` (the operators are linear in V, so this is the
-denominator); ``dg`` by autodiff of the cumulative sum.  Log-decays are floored at
-``LOG_DECAY_FLOOR`` (``exp(-30) ≈ 1e-13``), which keeps every exponent finite (a reset
-``g = -inf`` works).
+
+``prepare`` pads the inputs (``T`` to the chunk and the segments, ``d`` to a power of two >= 16,
+``dv`` to a multiple of the value tiles) and turns the gate into ``chunk_log_decay``; ``dg``
+follows by autodiff of its cumulative sum.  Log-decays are floored at ``LOG_DECAY_FLOOR``
+(``exp(-30) ≈ 1e-13``), which keeps every exponent finite (a reset ``g = -inf`` works).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from hla_jax.kernels.gpu.walk import DD, DV
-from hla_jax.ops.common import check_gate, check_qkv, clamp_signed
-
 LOG_DECAY_FLOOR = -30.0
 CHECKPOINT_EVERY = 1024  # chunks per backward segment (65536 tokens at c = 64; shorter: one segment)
 # float32 inputs from this (padded) head dim on exceed Triton's shared memory at the bf16 tiles:
-# chunk and value tiles are capped per operator (H200: hla3's tiles of 32 asked 236 KiB of 227;
-# la's of 64 fit)
+# chunk and value tiles are capped per kernel, at what fits on the H200
 F32_GPU_MAX_D = 128
-F32_GPU_TILE = {"la_pallas": 64, "hla2_pallas": 32, "ahla_pallas": 32, "hla3_pallas": 16,
-                "loglinear_mamba2_pallas": 32, "loglinear_gated_deltanet_pallas": 16}
+F32_GPU_TILE = {"la_pallas": 64, "loglinear_mamba2_pallas": 32, "loglinear_gated_deltanet_pallas": 16}
 
 
 class Config(NamedTuple):
-    """Static kernel settings: family (kernel module name), chunk, value tiles and warps of
-    forward and backward, interpret mode, platform ("gpu" | "tpu"), and whether the forward is
-    the ``states`` walk + chunk-parallel ``outputs`` instead of one walk; ``checkpoint_every``:
-    the backward's segment in chunks (None: the whole sequence is one segment)."""
-    family: str
+    """Static settings of ``core``: chunk, value tiles of forward and backward, interpret mode,
+    platform ("gpu" | "tpu"), whether the forward is the ``states`` walk + chunk-parallel
+    ``outputs`` instead of one walk, and the backward's segment in chunks (None: one)."""
     c: int
     bv_fwd: int
     bv_bwd: int
-    warps_fwd: int = 8
-    warps_bwd: int = 8
     interpret: bool = False
     platform: str = "gpu"
     parallel_forward: bool = False
     checkpoint_every: int | None = None
 
 
-# (S), (S, U), (P, E), (S, P, F)
-LAYOUTS = {"la": (DV,), "hla2": (DD, DV), "ahla": (DV, DV), "hla3": (DD, DV, DV)}
-# families whose state cotangents depend on the states (HLA3: F's update is bilinear in S and P)
-BILINEAR = frozenset({"hla3"})
-
-
-class Kernels(NamedTuple):
-    forward: Callable
-    states: Callable
-    outputs: Callable
-    dstates: Callable
-    grads: Callable
-
-
-def kernels(cfg: Config) -> Kernels:
-    """``cfg.family``'s chunk step in the kernels of ``cfg.platform`` ("gpu" | "tpu")."""
-    walk = backend_module(cfg.platform, "walk")
-    chunk = importlib.import_module(f"hla_jax.kernels.{cfg.family}_chunk")
-    layout = LAYOUTS[cfg.family]
-    fwd, bwd = chunk.chunk_forward, chunk.chunk_backward
-    return Kernels(*(functools.partial(f, step, layout) for f, step in (
-        (walk.forward, fwd), (walk.states, fwd), (walk.outputs, fwd), (walk.dstates, bwd),
-        (walk.grads, bwd))))
-
-
-def _chunk_axis(states):
-    """States ``[B,H,d,w]`` as the walks' one-chunk ``init`` ``[B,H,1,d,w]`` (None if none)."""
-    return [x[:, :, None] for x in states] or None
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def stateful_core(q, k, v, b, h0, cfg: Config):
-    """The operator on padded inputs, from initial states to final ones: ``q, k [B,Tp,H,d]``,
-    ``v [B,Tp,H,dv]``, ``b [B,H,Tp]``, ``h0`` the initial states (float32 ``[B,H,d,dv]``, one per
-    entry of ``LAYOUTS[cfg.family]``, all ``DV``) or ``()`` (zeros) -> ``(O [B,Tp,H,dv]`` float32,
-    ``hT)``, ``hT`` the final states shaped as ``h0`` (``()`` when ``h0`` is)."""
-    if h0 and DD in LAYOUTS[cfg.family]:
-        raise ValueError(f"{cfg.family}: initial and final states are for d×dv state layouts only")
-    mod, kw = kernels(cfg), dict(c=cfg.c, bv=cfg.bv_fwd, num_warps=cfg.warps_fwd,
-                                 interpret=cfg.interpret)
-    walk = mod.states if cfg.parallel_forward else mod.forward
-    out = walk(q, k, v, b, init=_chunk_axis(h0), final=bool(h0), **kw)
-    out, last = out if h0 else (out, ())
-    o = mod.outputs(q, k, v, b, *out, **kw) if cfg.parallel_forward else out
-    return o, tuple(x[:, :, 0] for x in last)
+def core(q, k, v, b, h0, cfg: Config):
+    """LA on padded inputs: ``q, k [B,Tp,H,d]``, ``v [B,Tp,H,dv]``, ``b [B,H,Tp]``, ``h0`` the
+    initial state (float32 ``[B,H,d,dv]``) or None (zeros) -> ``(O [B,Tp,H,dv]`` float32,
+    ``hT)``, ``hT`` the final state (float32 ``[B,H,d,dv]``; None when ``h0`` is)."""
+    walk = backend_module(cfg.platform, "walk")
+    kw = dict(c=cfg.c, bv=cfg.bv_fwd, interpret=cfg.interpret)
+    final = h0 is not None
+    if cfg.parallel_forward:
+        out = walk.states(q, k, v, b, h0, final=final, **kw)
+        S, hT = out if final else (out, None)
+        return walk.outputs(q, k, v, b, S, **kw), hT
+    out = walk.forward(q, k, v, b, h0, final=final, **kw)
+    return out if final else (out, None)
 
 
 def _core_fwd(q, k, v, b, h0, cfg):
-    return stateful_core(q, k, v, b, h0, cfg), (q, k, v, b, h0)
+    return core(q, k, v, b, h0, cfg), (q, k, v, b, h0)
 
 
 def _core_bwd(cfg, res, cts):
     q, k, v, b, h0 = res
     do, dhT = cts
-    mod = kernels(cfg)
-    kw = dict(c=cfg.c, interpret=cfg.interpret)
-    fwd_kw = dict(kw, bv=cfg.bv_fwd, num_warps=cfg.warps_fwd)
-    bwd_kw = dict(kw, bv=cfg.bv_bwd, num_warps=cfg.warps_bwd)
+    walk = backend_module(cfg.platform, "walk")
+    fwd = dict(c=cfg.c, bv=cfg.bv_fwd, interpret=cfg.interpret)
+    bwd = dict(fwd, bv=cfg.bv_bwd)
     do = do.astype(q.dtype)
     Tp = q.shape[1]
     G = cfg.checkpoint_every or Tp // cfg.c  # segments() made it divide Tp / c
     L, n_seg = G * cfg.c, Tp // (G * cfg.c)
-    init0 = _chunk_axis(h0)
-    ckpts = mod.states(q, k, v, b, init=init0, every=G, **fwd_kw) if n_seg > 1 else ()
+    ckpts = walk.states(q, k, v, b, h0, every=G, **fwd) if n_seg > 1 else None
 
-    def segment(s, dinit):
+    def segment(s, dS):
         """Segment ``s`` (chunks ``[sG, (s+1)G)``): its states from checkpoint ``s`` (or ``h0``),
-        their cotangents from ``dinit`` (the next segment's, or ``dhT``), its input cotangents."""
+        their cotangents from ``dS`` (the next segment's ``dh0``, or ``dhT``), its input
+        cotangents."""
         qs, ks, vs, dos = (jax.lax.dynamic_slice_in_dim(x, s * L, L, 1) for x in (q, k, v, do))
         bs = jax.lax.dynamic_slice_in_dim(b, s * L, L, 2)
-        init = [jax.lax.dynamic_slice_in_dim(x, s, 1, 2) for x in ckpts] or init0
-        saved = mod.states(qs, ks, vs, bs, init=init, **fwd_kw)
-        dsaved, dfirst = mod.dstates(qs, ks, vs, bs, *(saved if cfg.family in BILINEAR else ()),
-                                     dos, init=dinit, **bwd_kw)
-        dq, dk, dv, db = mod.grads(qs, ks, vs, bs, *saved, dos, *dsaved, **bwd_kw)
-        return dfirst, (dq.sum(0), dk.sum(0), dv, db.sum(0))
+        S0 = h0 if ckpts is None else jax.lax.dynamic_index_in_dim(ckpts, s, 2, keepdims=False)
+        S = walk.states(qs, ks, vs, bs, S0, **fwd)
+        dSs, dS0 = walk.dstates(qs, ks, vs, bs, dos, dS, **bwd)
+        dq, dk, dv, db = walk.grads(qs, ks, vs, bs, S, dos, dSs, **bwd)
+        return dS0, (dq.sum(0), dk.sum(0), dv, db.sum(0))
 
-    carry, last = segment(n_seg - 1, _chunk_axis(dhT))
+    dS, last = segment(n_seg - 1, dhT)
     if n_seg > 1:  # the other segments in reverse, carrying the state cotangent back
-        carry, rest = jax.lax.scan(lambda dinit, s: segment(s, dinit), carry,
-                                   jnp.arange(n_seg - 1), reverse=True)
+        dS, rest = jax.lax.scan(lambda dS, s: segment(s, dS), dS, jnp.arange(n_seg - 1),
+                                reverse=True)
         last = [jnp.concatenate([r, x[None]]) for r, x in zip(rest, last)]
         last = [jnp.moveaxis(x, 0, a).reshape(x.shape[1:a + 1] + (-1,) + x.shape[a + 2:])
                 for x, a in zip(last, (1, 1, 1, 2))]
     dq, dk, dv, db = last
-    dh0 = tuple(x[:, :, 0] for x in carry) if h0 else ()
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db, dh0
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db,
+            None if h0 is None else dS)
 
 
-stateful_core.defvjp(_core_fwd, _core_bwd)
-
-
-def chunked_core(q, k, v, b, cfg: Config):
-    """``stateful_core`` from zero states: ``O [B,Tp,H,dv]`` float32."""
-    return stateful_core(q, k, v, b, (), cfg)[0]
+core.defvjp(_core_fwd, _core_bwd)
 
 
 def pow2_at_least(n: int) -> int:
@@ -256,8 +196,8 @@ def chunk_gate(g, B: int, H: int, Tp: int, c: int):
 
 
 class Prepared(NamedTuple):
-    """A family's padded kernel inputs (``q, k [B,Tp,H,dp]``, ``v [B,Tp,H,dvp]`` in the matmul
-    dtype, ``b [B,H,Tp]``) and its ``Config``."""
+    """``core``'s padded inputs (``q, k [B,Tp,H,dp]``, ``v [B,Tp,H,dvp]`` in the matmul dtype,
+    ``b [B,H,Tp]``) and its ``Config``."""
     q: jax.Array
     k: jax.Array
     v: jax.Array
@@ -265,12 +205,12 @@ class Prepared(NamedTuple):
     cfg: Config
 
 
-def prepare(family: str, q, k, v, g, *, chunk_size=64, interpret=None, block_v=64,
-            block_v_bwd=None, num_warps=8, num_warps_bwd=None, platform=None,
-            parallel_forward=False, checkpoint_every=CHECKPOINT_EVERY) -> Prepared:
-    """``Prepared`` inputs of ``family``'s kernels from checked ``q, k, v`` and gate ``g``
-    (``[B,T,H]`` or None); the arguments are those of ``hla2_pallas``."""
-    name = f"{family}_pallas"
+def prepare(q, k, v, g, *, chunk_size=64, interpret=None, block_v=64, block_v_bwd=None,
+            platform=None, parallel_forward=False, checkpoint_every=CHECKPOINT_EVERY) -> Prepared:
+    """``core``'s ``Prepared`` inputs from checked ``q, k, v`` and gate ``g`` (``[B,T,H]`` or
+    None): chunk and value tiles as in ``launch`` (``block_v_bwd=None``: ``block_v``; neither
+    wider than ``dv`` padded to a power of two), the ``Config`` settings as named there."""
+    name = "la_pallas"
     B, _, H, _ = q.shape
     dv = v.shape[-1]
     c, Tp, dp, dt, interpret, platform, bv, bvb = launch(
@@ -282,21 +222,6 @@ def prepare(family: str, q, k, v, g, *, chunk_size=64, interpret=None, block_v=6
     Tp, G = segments(Tp, c, checkpoint_every)
     bv, bvb = (min(x, pow2_at_least(max(dv, 16))) for x in (bv, bvb))
     dvp = -(-dv // max(bv, bvb)) * max(bv, bvb)
-    cfg = Config(family, c, bv, bvb, num_warps, num_warps_bwd or num_warps, interpret, platform,
-                 parallel_forward, G)
+    cfg = Config(c, bv, bvb, interpret, platform, parallel_forward, G)
     qp, kp = (pad(x.astype(dt), Tp, dp) for x in (q, k))
     return Prepared(qp, kp, pad(v.astype(dt), Tp, dvp), chunk_gate(g, B, H, Tp, c), cfg)
-
-
-def pallas_operator(family: str, q, k, v, g=None, *, normalize=False, eps=1e-6, **tuning):
-    """``family``'s operator via its Pallas kernels, ``[B,T,H,dv]`` float32 (the arguments are
-    those of ``hla2_pallas``; inputs other than all-bf16 run in float32)."""
-    name = f"{family}_pallas"
-    B, T, H, d, dv = check_qkv(q, k, v, name=name)
-    p = prepare(family, q, k, v, check_gate(g, B, T, H, name=name), **tuning)
-    o = chunked_core(p.q, p.k, p.v, p.b, p.cfg)[:, :T, :, :dv]
-    if normalize:
-        ones = jnp.zeros(p.q.shape[:3] + (16,), p.q.dtype).at[..., 0].set(1)
-        den = chunked_core(p.q, p.k, ones, p.b, p.cfg._replace(bv_fwd=16, bv_bwd=16))[:, :T, :, 0]
-        o = o / clamp_signed(den, eps)[..., None]
-    return o

@@ -193,33 +193,26 @@ def ratio_last_column(o, eps: float):
     return o[..., :-1] / clamp_signed(o[..., -1:], eps)
 
 
-def empty_segment(like, axis: int):
-    """The identity of a segment combine: a summary like ``like`` (a NamedTuple whose first field
-    is the decay product ρ) with ρ = 1 and every other field 0, and ``axis`` of length 1."""
-    def one(x, fill):
-        shape = list(x.shape)
-        shape[axis] = 1
-        return jnp.full(shape, fill, x.dtype)
-    return type(like)(*(one(x, 1 if i == 0 else 0) for i, x in enumerate(like)))
-
-
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def pallas_entry(name: str):
-    """``hla_jax.kernels.<name>_pallas``, the operator ``name``'s Pallas kernel, imported at call
-    time (the kernels import ops)."""
+    """``hla_jax.kernels.<name>_pallas``, the Pallas kernel of the operator ``name`` (``la_pallas``
+    for linear_attention and mamba2, or a log-linear kernel), imported at call time (the kernels
+    import ops)."""
     from hla_jax import kernels
 
     return getattr(kernels, f"{name}_pallas")
 
 
 def pallas_preferred(seq_axis, chunk_size: int, *xs) -> bool:
-    """Whether ``impl="auto"`` takes a family's Pallas kernel: on a GPU, all inputs bf16, time not
-    sharded, a chunk the kernels take (a power of two >= 16); the configuration checked on an H200
-    and measured faster there than the XLA chunked form (``experiments/results/kernels_*``).
-    Float32 at d=128 exceeds Triton's shared memory, and the TPU kernels have never run on a TPU:
-    XLA chunked there."""
+    """Whether ``impl="auto"`` takes an operator's Pallas form (its kernel; for hla2, ahla and
+    causal hla3 the chain of ``la_pallas`` passes, ``chains.over_pallas``): on a GPU, all inputs
+    bf16, time not sharded, a chunk the kernels take (a power of two >= 16); the configuration
+    checked on an H200 and measured faster there than the XLA chunked form
+    (``experiments/results/kernels_*``).  Float32 at d=128 needs smaller Triton tiles
+    (``kernels.wrap.F32_GPU_TILE``), and the TPU kernels have never run on a TPU: XLA chunked
+    there."""
     return (seq_axis is None and jax.default_backend() == "gpu" and chunk_size >= 16
             and chunk_size & (chunk_size - 1) == 0 and all(x.dtype == jnp.bfloat16 for x in xs))
 

@@ -38,10 +38,10 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
 
 C = 64
 BV = 64  # value columns per walk CTA
@@ -55,13 +55,18 @@ ROWS = WGMMA.reduce(1)  # one value per row of a wgmma tile
 COLS = WGMMA.reduce(0)  # one value per column
 
 
+def takes(q, k, v, chunk_size: int) -> bool:
+    """Whether these kernels take the inputs: 16-bit ``q, k, v`` of one dtype, head dim 64 or
+    128, chunk 64 (any ``T`` and value width: the caller pads)."""
+    return (chunk_size == C and q.shape[-1] in HEAD_DIMS and jnp.dtype(q.dtype) in DTYPES
+            and q.dtype == k.dtype == v.dtype)
+
+
 def supports(q, k, v, chunk_size: int) -> bool:
-    """Whether these kernels take the call: a Hopper GPU, 16-bit ``q, k, v`` of one dtype, head
-    dim 64 or 128, chunk 64 (any ``T`` and value width: the caller pads)."""
+    """``takes``, on a Hopper GPU (sm_90: wgmma)."""
     dev = jax.devices()[0]
     return (dev.platform == "gpu" and getattr(dev, "compute_capability", None) == "9.0"
-            and chunk_size == C and q.shape[-1] in HEAD_DIMS
-            and jnp.dtype(q.dtype) in DTYPES and q.dtype == k.dtype == v.dtype)
+            and takes(q, k, v, chunk_size))
 
 
 def _smem(shape, dtype):
@@ -122,9 +127,6 @@ def _build(body, out_type, scratch, grid, names, interpret, name):
                         interpret=interpret or None, kernel_name=name)
 
 
-MODES = ("state", "out", "dq", "dkv")
-
-
 def walk(key, val, b2, s0, extra=(), *, mode, reverse=False, interpret=None):
     """One walk ``Sᵀ ← ρ_c Sᵀ + (w∘V)ᵀ K`` per (batch, head, 64-column value tile) with a
     per-chunk readout (module docstring); ``w = γ`` forward, ``w = ρ`` in reverse.
@@ -132,8 +134,10 @@ def walk(key, val, b2, s0, extra=(), *, mode, reverse=False, interpret=None):
     ``key [B,Tp,H,d]`` and ``val [B,Tp,H,dv]`` drive the update (``k, v``; in reverse ``q, dO``),
     ``b2 [B,H,Tp]`` is the local cumulative log2-decay, ``s0 [B,H,dv,d]`` float32 the transposed
     state the walk starts from.  ``mode``: "state" (no readout), "out" (``extra = (q,)``:
-    ``O [B,Tp,H,dv]``), "dq" (``extra = (dO,)``: ``dQ [nv,B,Tp,H,d]``, one share per value tile),
-    "dkv" (reverse, ``extra = (k, v)``: ``dK [nv,B,Tp,H,d]``, ``dV [B,Tp,H,dv]``); all float32.
+    ``O [B,Tp,H,dv]``), "dq" (``extra = (dO, q)``: ``dQ [nv,B,Tp,H,d]``, one share per value
+    tile, and ``Σ_d q∘dQ_inter [nv,B,H,Tp]``), "dkv" (reverse, ``extra = (k, v)``:
+    ``dK [nv,B,Tp,H,d]``, ``dV [B,Tp,H,dv]`` and ``Σ_d k∘dK_inter [nv,B,H,Tp]``), all float32;
+    ``_inter``: the part read from the state (``_core_bwd`` needs it for the gate).
     Returns ``(*readouts, final [B,H,dv,d])``, ``final`` the state after the walk.
     """
     B, Tp, H, d = key.shape

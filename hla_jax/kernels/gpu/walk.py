@@ -1,28 +1,27 @@
-"""The chunk walks of LA and the HLA family for NVIDIA GPUs: ``pallas_call`` lowered through
-Triton (jax 0.11.2).
+"""The chunk walks of first-order LA (``kernels/la_chunk.py``) for NVIDIA GPUs: ``pallas_call``
+lowered through Triton (jax 0.11.2).
 
-Generic over a family's chunk step (``kernels/<family>_chunk.py``) and its state ``layout``: a
-tuple of ``DD`` (a ``d×d`` state, shared by every value tile) and ``DV`` (a ``d×bv`` state of
-one value tile).  Inputs stay in the caller's ``[B,Tp,H,·]`` layout (strided tile loads).
+The state is one float32 ``S: d×bv`` per (batch, head, value tile of ``bv`` columns).  Inputs
+``q, k [B,Tp,H,d]``, ``v [B,Tp,H,dv]`` stay in the caller's layout (strided tile loads), with
+``b [B,H,Tp]`` the chunk-local cumulative log-decay.
 
-Two kinds of kernel.  The *walks* (layout (a) of DESIGN.md) run one program per (batch, head,
-value tile) over the chunks in order, float32 states in registers (``lax.fori_loop`` carry):
+The *walks* run one program per (batch, head, value tile) over the chunks in order, ``S`` in
+registers (``lax.fori_loop`` carry):
 
-- ``forward``: the outputs ``O``;
-- ``states``: every chunk's incoming states (``DD: [B,H,N,d,d]``, written by value tile 0,
-  ``DV: [B,H,N,d,dv]``), in the input dtype, without ``O``;
-  both start from given states (``init``, float32) or zeros, and can also write the last
-  chunk's outgoing states (``final``, float32): state passing between calls;
-- ``dstates``: in reverse, the cotangent of every chunk's outgoing states (``DD``: one share per
-  value tile, ``[nv,B,H,N,d,d]``; ``DV: [B,H,N,d,dv]``): the chunk backward, of which only the
-  state cotangents are kept (the rest is dead code, removed by the compiler).  LA, HLA2 and AHLA
-  are linear in their states, so their state cotangents do not depend on the states (zeros stand
-  in); HLA3's ``F`` update is bilinear in ``S`` and ``P``, so its walk reads the saved states.
+- ``forward``: the outputs ``O [B,Tp,H,dv]`` float32;
+- ``states``: the incoming ``S`` of every ``every``-th chunk, ``[B,H,⌈N/every⌉,d,dv]``, in the
+  input dtype (float32 checkpoints when ``every > 1``), without ``O``;
+  both start from ``h0 [B,H,d,dv]`` (float32; zeros if None) and with ``final`` also return the
+  last chunk's outgoing ``S`` (float32 ``[B,H,d,dv]``): state passing between calls;
+- ``dstates``: in reverse from ``dhT``, the cotangent of every chunk's outgoing ``S``
+  (``[B,H,N,d,dv]``, input dtype) and of the first chunk's incoming one (float32): the chunk
+  backward, of which only ``dS0`` is kept (the rest is dead code, removed by the compiler).  LA
+  is linear in ``S``, so zeros stand in for it.
 
-The *chunk-parallel* kernels (layout (b)) run one program per (batch, head, chunk, value tile)
-from the saved states, with no carry:
+The *chunk-parallel* kernels run one program per (batch, head, chunk, value tile) from the saved
+states, with no carry:
 
-- ``outputs``: ``O`` from the incoming states;
+- ``outputs``: ``O`` from every chunk's incoming ``S``;
 - ``grads``: ``(dq, dk) [nv,B,Tp,H,d]`` (one share per value tile), ``dv [B,Tp,H,dv]``,
   ``db [nv,B,H,Tp]``, float32, from the incoming states, ``do`` and the outgoing cotangents.
 
@@ -39,222 +38,174 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from hla_jax.kernels.la_chunk import F32
+from hla_jax.kernels.la_chunk import F32, chunk_backward, chunk_forward
 
-DD, DV = "dd", "dv"
-STATIC = ("c", "bv", "num_warps", "interpret")
+NUM_WARPS = 8
+STATIC = ("c", "bv", "interpret")  # the static arguments of every kernel
+
+
+def jit(*extra):
+    return functools.partial(jax.jit, static_argnames=STATIC + extra)
+
+
+def given(*xs):
+    """The arguments that are not None (the optional states of a kernel call)."""
+    return [x for x in xs if x is not None]
+
+
+def unpack(refs, *present):
+    """``refs`` spread over the flags ``present``: the next ref for a true flag, None for false."""
+    it = iter(refs)
+    return [next(it) if p else None for p in present]
 
 
 def compiler_params(num_warps, interpret):
     return None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
-def _zeros(layout, d, bv, dtype=F32):
-    return tuple(jnp.zeros((d, d if kind == DD else bv), dtype) for kind in layout)
-
-
-def _state_shapes(layout, B, H, N, d, dv, dtype, nv=None):
-    """Saved per-chunk states; a ``DD`` state gets a leading value-tile axis when ``nv``."""
-    return [jax.ShapeDtypeStruct(((nv,) if nv and kind == DD else ()) + (B, H, N, d, d if kind == DD
-                                                                            else dv), dtype)
-            for kind in layout]
-
-
-def _last_shapes(layout, B, H, d, dv, final):
-    """The walks' last outgoing states (float32, one chunk), when ``final``."""
-    return _state_shapes(layout, B, H, 1, d, dv, F32) if final else []
-
-
-def _read(layout, refs, i, h, n, vs, j=None):
-    """Chunk ``n``'s saved states for value tile ``vs`` (``j``: the per-tile share of ``DD``)."""
-    return [(ref[i, h, n] if j is None else ref[j, i, h, n]) if kind == DD else ref[i, h, n, :, vs]
-            for kind, ref in zip(layout, refs)]
-
-
-def _initial(layout, init_refs, i, h, vs, d, bv, j=None):
-    """A walk's starting states: chunk 0 of ``init_refs`` in float32 (as ``_read``), or zeros."""
-    if not init_refs:
-        return _zeros(layout, d, bv)
-    return tuple(x.astype(F32) for x in _read(layout, init_refs, i, h, 0, vs, j))
-
-
-def _write(layout, refs, xs, i, h, n, vs, j, shared):
-    """Store chunk ``n``'s states; a ``DD`` state is written once (tile 0) when ``shared``, else
-    as tile ``j``'s share."""
-    for kind, ref, x in zip(layout, refs, xs):
-        if kind == DV:
-            ref[i, h, n, :, vs] = x.astype(ref.dtype)
-        elif not shared:
-            ref[j, i, h, n] = x.astype(ref.dtype)
-        else:
-            @pl.when(j == 0)
-            def _(ref=ref, x=x):
-                ref[i, h, n] = x.astype(ref.dtype)
-
-
-def _call(kernel, out_shape, grid, num_warps, interpret, *args):
+def _call(kernel, out_shape, grid, interpret, *args):
     """``pallas_call`` on ``grid``: ``(B, H, nv)`` for a walk, ``(B, H, N, nv)`` chunk-parallel."""
     return pl.pallas_call(kernel, out_shape=out_shape, grid=grid,
-                          compiler_params=compiler_params(num_warps, interpret),
+                          compiler_params=compiler_params(NUM_WARPS, interpret),
                           interpret=interpret)(*args)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC + ("final",))
-def forward(chunk_forward, layout, q, k, v, b, *, init=None, final=False, c, bv, num_warps=8,
-            interpret=False):
-    """``q, k: [B,Tp,H,d]``, ``v: [B,Tp,H,dv]``, ``b: [B,H,Tp]`` (local log cumulative decay per
-    chunk) -> ``O [B,Tp,H,dv]`` float32, the walk starting from ``init`` (as in ``states``); with
-    ``final``, ``(O, last)``: also the last chunk's outgoing states (float32, ``DD [B,H,1,d,d]``,
-    ``DV [B,H,1,d,dv]``).  ``chunk_forward(Q, K, V, bb, *states) -> (O, *states)``."""
-    B, Tp, H, d = q.shape
-    dv, init = v.shape[-1], tuple(init or ())
-
-    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        init_refs, o_ref, last_refs = refs[:len(init)], refs[len(init)], refs[len(init) + 1:]
-        i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
-
-        def body(n, carry):
-            ts = pl.ds(pl.multiple_of(n * c, c), c)
-            o_ref[i, ts, h, vs], *carry = chunk_forward(
-                q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs], b_ref[i, h, ts], *carry)
-            return tuple(carry)
-
-        last = jax.lax.fori_loop(0, Tp // c, body, _initial(layout, init_refs, i, h, vs, d, bv))
-        _write(layout, last_refs, last, i, h, 0, vs, j, shared=True)
-
-    O = jax.ShapeDtypeStruct((B, Tp, H, dv), F32)
-    out = _call(kernel, [O] + _last_shapes(layout, B, H, d, dv, final), (B, H, dv // bv),
-                num_warps, interpret, q, k, v, b, *init)
-    return (out[0], tuple(out[1:])) if final else out[0]
+def _slice(n, size):
+    """Block ``n`` of ``size``: chunk ``n`` (of ``c`` tokens) or value tile ``n`` (of ``bv``)."""
+    return pl.ds(pl.multiple_of(n * size, size), size)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC + ("every", "final"))
-def states(chunk_forward, layout, q, k, v, b, *, init=None, every=1, final=False, c, bv,
-           num_warps=8, interpret=False):
-    """The incoming states of every ``every``-th chunk (``DD [B,H,⌈N/every⌉,d,d]``, written by
-    value tile 0, ``DV [B,H,⌈N/every⌉,d,dv]``), in the input dtype (float32 checkpoints when
-    ``every > 1``), without ``O``; the walk starts from ``init`` (``DD [B,H,1,d,d]``,
-    ``DV [B,H,1,d,dv]``, float32; zeros if None).  With ``final``, ``(per_chunk, last)``: also
-    the last chunk's outgoing states, shaped as ``init``."""
+def _start(ref, i, h, vs, d, bv):
+    """The carry a walk starts from: ``ref[i, h, :, vs]`` in float32, zeros if no ``ref``."""
+    return jnp.zeros((d, bv), F32) if ref is None else ref[i, h, :, vs].astype(F32)
+
+
+def _walk(q, k, v, b, h0, *, outputs, every, final, c, bv, interpret):
+    """The forward walk from ``h0``, writing ``O`` (``outputs``), the incoming ``S`` of every
+    ``every``-th chunk (``every``: None for none) and the last outgoing ``S`` (``final``)."""
     B, Tp, H, d = q.shape
     dv, N = v.shape[-1], Tp // c
-    init = tuple(init or ())
+    out_shape = []
+    if outputs:
+        out_shape.append(jax.ShapeDtypeStruct((B, Tp, H, dv), F32))
+    if every is not None:
+        out_shape.append(jax.ShapeDtypeStruct((B, H, -(-N // every), d, dv),
+                                              F32 if every > 1 else q.dtype))
+    if final:
+        out_shape.append(jax.ShapeDtypeStruct((B, H, d, dv), F32))
 
     def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        init_refs, state_refs = refs[:len(init)], refs[len(init):len(init) + len(layout)]
-        last_refs = refs[len(init) + len(layout):]
+        h0_ref, o_ref, s_ref, hT_ref = unpack(refs, h0 is not None, outputs, every is not None,
+                                              final)
         i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
+        vs = _slice(j, bv)
 
-        def body(n, carry):
-            ts = pl.ds(pl.multiple_of(n * c, c), c)
+        def save(n, S):
+            s_ref[i, h, n, :, vs] = S.astype(s_ref.dtype)
+
+        def body(n, S):
+            ts = _slice(n, c)
             if every == 1:
-                _write(layout, state_refs, carry, i, h, n, vs, j, shared=True)
-            else:
-                @pl.when(jax.lax.rem(n, every) == 0)  # lax: jnp's % and // lower to mixed types
-                def _():
-                    _write(layout, state_refs, carry, i, h, jax.lax.div(n, every), vs, j, shared=True)
-            _, *carry = chunk_forward(q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs],
-                                      b_ref[i, h, ts], *carry)
-            return tuple(carry)
+                save(n, S)
+            elif every is not None:
+                # lax: jnp's % and // lower to mixed types
+                pl.when(jax.lax.rem(n, every) == 0)(lambda: save(jax.lax.div(n, every), S))
+            O, S = chunk_forward(q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs],
+                                 b_ref[i, h, ts], S)
+            if outputs:
+                o_ref[i, ts, h, vs] = O
+            return S
 
-        last = jax.lax.fori_loop(0, N, body, _initial(layout, init_refs, i, h, vs, d, bv))
-        _write(layout, last_refs, last, i, h, 0, vs, j, shared=True)
+        S = jax.lax.fori_loop(0, N, body, _start(h0_ref, i, h, vs, d, bv))
+        if final:
+            hT_ref[i, h, :, vs] = S
 
-    dtype = F32 if every > 1 else q.dtype
-    out = _call(kernel, _state_shapes(layout, B, H, -(-N // every), d, dv, dtype)
-                + _last_shapes(layout, B, H, d, dv, final), (B, H, dv // bv), num_warps, interpret,
-                q, k, v, b, *init)
-    return (tuple(out[:len(layout)]), tuple(out[len(layout):])) if final else tuple(out)
+    out = _call(kernel, out_shape, (B, H, dv // bv), interpret, q, k, v, b, *given(h0))
+    return tuple(out) if final else out[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
-def dstates(chunk_backward, layout, q, k, v, b, *saved_do, init=None, c, bv, num_warps=8,
-            interpret=False):
-    """Cotangents of every chunk's outgoing states given ``do [B,Tp,H,dv]`` (the last positional
-    argument) and, before it, every chunk's incoming states (``states``) when the family's state
-    cotangents depend on them (hla3's; hla2's and ahla's do not: pass none, zeros stand in).
-    The reverse walk starts from ``init``, the cotangent of the last chunk's outgoing states
-    (float32, ``DD [nv,B,H,1,d,d]``, ``DV [B,H,1,d,dv]``; zeros if None).  Returns
-    ``(per_chunk, first)``: ``per_chunk`` in the input dtype, ``DD`` one share per value tile
-    ``[nv,B,H,N,d,d]``, ``DV [B,H,N,d,dv]``; ``first``, the cotangent of the first chunk's
-    incoming states, shaped as ``init`` (float32).
-    ``chunk_backward(Q, K, V, bb, *states, dO, *dstates) -> (dQ, dK, dV, db, *dstates)``."""
+@jit("final")
+def forward(q, k, v, b, h0=None, *, final=False, c, bv, interpret=False):
+    """``O [B,Tp,H,dv]`` float32 by one walk from ``h0``; with ``final``, ``(O, hT)``."""
+    return _walk(q, k, v, b, h0, outputs=True, every=None, final=final, c=c, bv=bv,
+                 interpret=interpret)
+
+
+@jit("every", "final")
+def states(q, k, v, b, h0=None, *, every=1, final=False, c, bv, interpret=False):
+    """The incoming ``S`` of every ``every``-th chunk from ``h0``; with ``final``,
+    ``(per_chunk, hT)``."""
+    return _walk(q, k, v, b, h0, outputs=False, every=every, final=final, c=c, bv=bv,
+                 interpret=interpret)
+
+
+@jit()
+def dstates(q, k, v, b, do, dhT=None, *, c, bv, interpret=False):
+    """``(dS, dh0)``: the cotangents of every chunk's outgoing ``S`` (``[B,H,N,d,dv]``, input
+    dtype) and of ``h0`` (float32 ``[B,H,d,dv]``), by the reverse walk from ``dhT`` (zeros if
+    None)."""
     B, Tp, H, d = q.shape
-    dv = v.shape[-1]
-    N, nv, L, init = Tp // c, dv // bv, len(saved_do) - 1, tuple(init or ())
+    dv, N = v.shape[-1], Tp // c
 
-    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        state_refs, do_ref, init_refs = refs[:L], refs[L], refs[L + 1:L + 1 + len(init)]
-        dstate_refs, first_refs = refs[-2 * len(layout):-len(layout)], refs[-len(layout):]
+    def kernel(q_ref, k_ref, v_ref, b_ref, do_ref, *refs):
+        dhT_ref, ds_ref, dh0_ref = unpack(refs, dhT is not None, True, True)
         i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
+        vs = _slice(j, bv)
 
-        def body(m, carry):
+        def body(m, dS):
             n = N - 1 - m
-            ts = pl.ds(pl.multiple_of(n * c, c), c)
-            _write(layout, dstate_refs, carry, i, h, n, vs, j, shared=False)
-            saved = _read(layout, state_refs, i, h, n, vs) if L else _zeros(layout, d, bv, q.dtype)
-            out = chunk_backward(q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs],
-                                 b_ref[i, h, ts], *saved, do_ref[i, ts, h, vs], *carry)
-            return tuple(out[4:])
+            ts = _slice(n, c)
+            ds_ref[i, h, n, :, vs] = dS.astype(ds_ref.dtype)
+            *_, dS = chunk_backward(q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs],
+                                    b_ref[i, h, ts], jnp.zeros((d, bv), q.dtype),
+                                    do_ref[i, ts, h, vs], dS)
+            return dS
 
-        first = jax.lax.fori_loop(0, N, body, _initial(layout, init_refs, i, h, vs, d, bv, j))
-        _write(layout, first_refs, first, i, h, 0, vs, j, shared=False)
+        dh0_ref[i, h, :, vs] = jax.lax.fori_loop(0, N, body, _start(dhT_ref, i, h, vs, d, bv))
 
-    out = _call(kernel, _state_shapes(layout, B, H, N, d, dv, q.dtype, nv)
-                + _state_shapes(layout, B, H, 1, d, dv, F32, nv), (B, H, nv), num_warps, interpret,
-                q, k, v, b, *saved_do, *init)
-    return tuple(out[:len(layout)]), tuple(out[len(layout):])
+    out_shape = [jax.ShapeDtypeStruct((B, H, N, d, dv), q.dtype),
+                 jax.ShapeDtypeStruct((B, H, d, dv), F32)]
+    return tuple(_call(kernel, out_shape, (B, H, dv // bv), interpret, q, k, v, b, do,
+                       *given(dhT)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
-def outputs(chunk_forward, layout, q, k, v, b, *saved, c, bv, num_warps=8, interpret=False):
-    """``O [B,Tp,H,dv]`` float32, every chunk at once from its incoming states (``states``)."""
+@jit()
+def outputs(q, k, v, b, S, *, c, bv, interpret=False):
+    """``O [B,Tp,H,dv]`` float32, every chunk at once from its incoming ``S`` (``states``)."""
     B, Tp, H, d = q.shape
     dv = v.shape[-1]
 
-    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        state_refs, o_ref = refs[:-1], refs[-1]
+    def kernel(q_ref, k_ref, v_ref, b_ref, s_ref, o_ref):
         i, h, n, j = (pl.program_id(a) for a in range(4))
-        vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
-        ts = pl.ds(pl.multiple_of(n * c, c), c)
-        o_ref[i, ts, h, vs], *_ = chunk_forward(
-            q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs], b_ref[i, h, ts],
-            *_read(layout, state_refs, i, h, n, vs))
+        vs, ts = _slice(j, bv), _slice(n, c)
+        o_ref[i, ts, h, vs], _ = chunk_forward(q_ref[i, ts, h, :], k_ref[i, ts, h, :],
+                                               v_ref[i, ts, h, vs], b_ref[i, h, ts],
+                                               s_ref[i, h, n, :, vs])
 
     return _call(kernel, jax.ShapeDtypeStruct((B, Tp, H, dv), F32), (B, H, Tp // c, dv // bv),
-                 num_warps, interpret, q, k, v, b, *saved)
+                 interpret, q, k, v, b, S)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=STATIC)
-def grads(chunk_backward, layout, q, k, v, b, *saved_do_dsaved, c, bv, num_warps=8, interpret=False):
-    """Cotangents of the inputs, every chunk at once, from ``*states`` (``states``), ``do`` and
-    ``*dstates`` (``dstates``, same ``bv``): ``(dq, dk) [nv,B,Tp,H,d]`` (one share per value
-    tile), ``dv [B,Tp,H,dv]``, ``db [nv,B,H,Tp]``, all float32."""
+@jit()
+def grads(q, k, v, b, S, do, dS, *, c, bv, interpret=False):
+    """Cotangents of the inputs, every chunk at once, from ``S`` (``states``), ``do`` and ``dS``
+    (``dstates``, same ``bv``): ``(dq, dk) [nv,B,Tp,H,d]`` (one share per value tile),
+    ``dv [B,Tp,H,dv]``, ``db [nv,B,H,Tp]``, all float32."""
     B, Tp, H, d = q.shape
     dv = v.shape[-1]
-    nv, L = dv // bv, len(layout)
+    nv = dv // bv
 
-    def kernel(q_ref, k_ref, v_ref, b_ref, *refs):
-        state_refs, do_ref, dstate_refs = refs[:L], refs[L], refs[L + 1:2 * L + 1]
-        dq_ref, dk_ref, dv_ref, db_ref = refs[2 * L + 1:]
+    def kernel(q_ref, k_ref, v_ref, b_ref, s_ref, do_ref, ds_ref, dq_ref, dk_ref, dv_ref, db_ref):
         i, h, n, j = (pl.program_id(a) for a in range(4))
-        vs = pl.ds(pl.multiple_of(j * bv, bv), bv)
-        ts = pl.ds(pl.multiple_of(n * c, c), c)
-        dQ, dK, dV, db, *_ = chunk_backward(
+        vs, ts = _slice(j, bv), _slice(n, c)
+        dQ, dK, dV, db, _ = chunk_backward(
             q_ref[i, ts, h, :], k_ref[i, ts, h, :], v_ref[i, ts, h, vs], b_ref[i, h, ts],
-            *_read(layout, state_refs, i, h, n, vs), do_ref[i, ts, h, vs],
-            *(x.astype(F32) for x in _read(layout, dstate_refs, i, h, n, vs, j)))
+            s_ref[i, h, n, :, vs], do_ref[i, ts, h, vs], ds_ref[i, h, n, :, vs].astype(F32))
         dq_ref[j, i, ts, h, :] = dQ
         dk_ref[j, i, ts, h, :] = dK
         dv_ref[i, ts, h, vs] = dV
         db_ref[j, i, h, ts] = db
 
-    out_shape = [jax.ShapeDtypeStruct((nv, B, Tp, H, d), F32),
-                 jax.ShapeDtypeStruct((nv, B, Tp, H, d), F32),
-                 jax.ShapeDtypeStruct((B, Tp, H, dv), F32),
-                 jax.ShapeDtypeStruct((nv, B, H, Tp), F32)]
-    return tuple(_call(kernel, out_shape, (B, H, Tp // c, nv), num_warps, interpret,
-                       q, k, v, b, *saved_do_dsaved))
+    out_shape = [jax.ShapeDtypeStruct((nv, B, Tp, H, d), F32)] * 2 + [
+        jax.ShapeDtypeStruct((B, Tp, H, dv), F32), jax.ShapeDtypeStruct((nv, B, H, Tp), F32)]
+    return tuple(_call(kernel, out_shape, (B, H, Tp // c, nv), interpret, q, k, v, b, S, do, dS))
