@@ -56,7 +56,6 @@ import argparse
 import functools
 import os
 import pathlib
-import re
 import statistics
 import sys
 import tempfile
@@ -66,7 +65,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -106,15 +104,6 @@ METHOD = {
              "sharded program adds: the P-1 summary combines, the log-linear levels of earlier "
              "shards). An estimate from two timings, not a profile: no collective is timed.",
 }
-
-
-def gathered_bytes(text: str, shards: int) -> int:
-    """Bytes received per device by the all-gathers of a lowered (StableHLO) program: each
-    operand ``tensor<AxBx…xfNN>`` from each of the ``shards − 1`` other devices."""
-    total = 0
-    for shape, bits in re.findall(r"stablehlo\.all_gather.*?\(tensor<([\dx]+)x[a-z]+(\d+)>\)", text):
-        total += int(np.prod([int(s) for s in shape.split("x")])) * int(bits) // 8
-    return total * (shards - 1)
 
 
 class Results:
@@ -231,7 +220,7 @@ def measure_op(a, name, devices) -> dict:
                             in_specs=(spec,) * 5, out_specs=spec)
     args = op_inputs(B, T, H, d, L, a.dtype, NamedSharding(mesh, spec))
     row = {"sharded": timed(fwd_bwd(sharded), args, a.repeats)}
-    measured = gathered_bytes(jax.jit(sharded).lower(*args[:5]).as_text(), n)
+    measured = ops.sequence.gathered_bytes(jax.jit(sharded).lower(*args[:5]).as_text(), n)
     del args
     one = op_inputs(B, T // n, H, d, L, a.dtype, SingleDeviceSharding(devices[0]))
     row["one"] = timed(fwd_bwd(functools.partial(entry, **kw)), one, a.repeats)

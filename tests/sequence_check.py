@@ -13,7 +13,6 @@ the forward's all-gathers) for B=1, H=16, d=dv=128, P=8, from the lowered progra
 
 import functools
 import os
-import re
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -128,14 +127,6 @@ def check_over_time(rng) -> bool:
     return err <= 1e-10
 
 
-def gathered_bytes(text: str) -> int:
-    """Bytes received per device by the all-gathers of a lowered (StableHLO) program."""
-    total = 0
-    for shape, dtype in re.findall(r"stablehlo\.all_gather.*?\(tensor<([\dx]+)x(f\d+)>\)", text):
-        total += int(np.prod([int(s) for s in shape.split("x")])) * int(dtype[1:]) // 8
-    return total * (P_DEV - 1)
-
-
 def bytes_table() -> int:
     """Measured bytes per device against ``(P − 1)·B·H·|s|·4``; returns the number of mismatches."""
     mesh = jax.make_mesh((P_DEV,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -147,7 +138,7 @@ def bytes_table() -> int:
         args = inputs(rng, extra, B=B, T=T, H=H, d=d, dv=d, dtype=np.float32)
         kw = {key: val for key, val in kw.items() if key != "normalize"} | {"chunk_size": 64}
         f = jax.jit(sharded(op, kw, len(args), mesh))
-        got = gathered_bytes(f.lower(*args).as_text())
+        got = ops.sequence.gathered_bytes(f.lower(*args).as_text(), P_DEV)
         text, size = SUMMARY[name]
         want = (P_DEV - 1) * B * H * size(d, d, L) * 4
         failed += got != want

@@ -20,7 +20,7 @@ per slot, the accumulated cotangent of its decay (which flows into ``db`` of eve
 crossed), writing per chunk the cotangent of its merged state; last, a chunk-parallel kernel
 computes every chunk's ``dq, dk, dv, db, dλ`` at once, with its own value tile
 (``block_v_bwd``).  ``dg`` by autodiff of the chunk cumulative log-decay
-(``wrap.chunk_log_decay``, floored at ``LOG_DECAY_FLOOR`` so a reset ``g = -inf`` stays finite).
+(``wrap.chunk_gate``, floored at ``LOG_DECAY_FLOOR`` so a reset ``g = -inf`` stays finite).
 
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
 path (``kernels/gpu``, Triton lowering) passes the H200 check in bf16 and float32
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.kernels.loglinear_chunk import num_slots
-from hla_jax.kernels.wrap import backend_module, chunk_log_decay, launch, pad, pow2_at_least
+from hla_jax.kernels.wrap import backend_module, chunk_gate, launch, pad, pow2_at_least
 from hla_jax.ops import fenwick
 from hla_jax.ops.common import check_gate, check_qkv
 from hla_jax.ops.loglinear import check_lam
@@ -165,7 +165,6 @@ def loglinear_mamba2_pallas(q, k, v, g, lam, *, chunk_size=64, interpret=None, b
     bv, bvb, dvp = value_tiles(block_v, block_v_bwd, dp, dv, P)
     cfg = Config(c, bv, bvb, num_warps, interpret, platform)
     qp, kp = (pad(x.astype(dt), Tp, dp) for x in (q, k))
-    gp = jnp.pad(g.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0)))
     lamp = levels_first(lam, Tp, c.bit_length() + P)
-    o = loglinear_core(qp, kp, pad(v.astype(dt), Tp, dvp), chunk_log_decay(gp, c), lamp, cfg)
+    o = loglinear_core(qp, kp, pad(v.astype(dt), Tp, dvp), chunk_gate(g, B, H, Tp, c), lamp, cfg)
     return o[:, :T, :, :dv]

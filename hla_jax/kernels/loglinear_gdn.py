@@ -17,7 +17,7 @@ only inside the backward), walks the chunks in reverse with the cotangent level 
 each chunk's merged-block and read-level cotangents (``walk_dstates``), computes every chunk's
 walk gradients at once with its own value tile (``walk_grads``, ``block_v_bwd``), then runs the
 UT backward in parallel over chunks.  ``dg`` follows by autodiff of the per-chunk
-cumulative log-decay (``chunk_log_decay``, floored at ``LOG_DECAY_FLOOR``: a reset ``g = -inf``
+cumulative log-decay (``wrap.chunk_gate``, floored at ``LOG_DECAY_FLOOR``: a reset ``g = -inf``
 stays finite), ``dlam`` through its padding and transpose.
 
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.kernels.loglinear import Config, chunk_levels, levels_first, value_tiles
-from hla_jax.kernels.wrap import backend_module, chunk_log_decay, launch, pad
+from hla_jax.kernels.wrap import backend_module, chunk_gate, launch, pad
 from hla_jax.ops.common import check_gate, check_per_token, check_qkv
 from hla_jax.ops.loglinear import check_lam
 
@@ -112,7 +112,7 @@ def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, int
     per_token = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0)))
     cfg = Config(c, bv, bvb, num_warps, interpret, platform)
     o = loglinear_gdn_core(pad(q.astype(dt), Tp, dp), pad(k.astype(dt), Tp, dp),
-                           pad(v.astype(dt), Tp, dvp), chunk_log_decay(per_token(g), c),
+                           pad(v.astype(dt), Tp, dvp), chunk_gate(g, B, H, Tp, c),
                            jnp.swapaxes(per_token(beta), 1, 2),
                            levels_first(lam, Tp, c.bit_length() + S), cfg)
     return o[:, :T, :, :dv]

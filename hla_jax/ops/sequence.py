@@ -34,7 +34,9 @@ modules).  ``over_time`` runs an operator this way from a model under ``jit``.
 from __future__ import annotations
 
 import functools
+import math
 import operator
+import re
 
 import jax
 import jax.numpy as jnp
@@ -151,3 +153,12 @@ def over_time(entry, seq_axis: str, *, mesh=None, **kw):
                              axis_names={seq_axis})(*arrays)
 
     return call
+
+
+def gathered_bytes(text: str, shards: int) -> int:
+    """Bytes each device receives through the all-gathers of a lowered (StableHLO) program over
+    ``shards`` devices: every operand ``tensor<A×B×…×fNN>`` from each of the ``shards − 1``
+    others (the README's communication table is measured this way)."""
+    operands = re.findall(r"stablehlo\.all_gather.*?\(tensor<([\dx]+)x[a-z]+(\d+)>\)", text)
+    return (shards - 1) * sum(math.prod(int(n) for n in shape.split("x")) * int(bits) // 8
+                              for shape, bits in operands)
