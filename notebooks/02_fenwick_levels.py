@@ -102,4 +102,4 @@ ones = ops.loglinear_mamba2(q, k, v, g, jnp.ones_like(lam))
 print("λ = 1 vs plain mamba2:",
       f"{float(jnp.linalg.norm(ones - ops.mamba2(q, k, v, g)) / jnp.linalg.norm(ones)):.1e}")
 state = loglinear_family.init_state(B, Hh, d, dv, levels=lam.shape[-1], dtype=jnp.float64)
-print("decode state shape [levels, B, H, d, dv]:", state.shape)
+print("decode state: level states [levels, B, H, d, dv]", state.H.shape, "and positions", state.t)

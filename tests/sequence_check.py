@@ -6,6 +6,10 @@ for outputs and the gradients of ``sum(out * w)`` w.r.t. every input.  T per dev
 a multiple of the chunk (16).  Then ``sequence.over_time`` under ``jit`` on a (data=2,
 sequence=4) mesh (the model-level use).  Prints one line per check, exits 1 on a mismatch.
 
+``python tests/sequence_check.py segments``: packed documents (``segment_ids``) under
+``seq_axis`` for hla2 (a gate reset) and hla3's paper mask (cut by document), against the
+unsharded chunked form (float64, 1e-10, outputs and gradients); run by test_segments_hla.py.
+
 ``python tests/sequence_check.py bytes``: per-layer communication (bytes received per device by
 the forward's all-gathers) for B=1, H=16, d=dv=128, P=8, from the lowered program, against
 ``(P − 1)·B·H·|s|·4`` with the summary sizes ``SUMMARY``; exits 1 on a mismatch.
@@ -127,6 +131,45 @@ def check_over_time(rng) -> bool:
     return err <= 1e-10
 
 
+SEGMENT_CASES = {  # packed documents under seq_axis: name -> (operator, extra inputs, kwargs)
+    "hla2 segments": (ops.hla2, ("g",), {"normalize": True}),
+    "hla3_paper segments": (ops.hla3, (), {"mask": "paper", "normalize": True}),
+}
+# row 0: starts mid-shard (13, 14, 59), at shard starts (40, 120), a document over shards 3-5;
+# row 1: one start (5), then one document to the end
+SEGMENT_LENGTHS = ((13, 1, 26, 19, 61, 40), (5, 155))
+
+
+def with_ids(op, kw, ids, *args):
+    """``op`` on one shard, ``segment_ids`` first (``shard_map`` shards them with the inputs)."""
+    return op(*args, impl="chunked", seq_axis="seq", segment_ids=ids, **kw)
+
+
+def check_segments() -> int:
+    """``segment_ids`` with the time axis sharded over 8 devices: equal to the unsharded chunked
+    form with the same ids (float64, 1e-10, outputs and gradients)."""
+    jax.config.update("jax_enable_x64", True)
+    mesh = jax.make_mesh((P_DEV,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray([np.repeat(np.arange(len(r)), r) for r in SEGMENT_LENGTHS], jnp.int32)
+    failed = 0
+    for name, (op, extra, kw) in SEGMENT_CASES.items():
+        kw = {"chunk_size": CHUNK} | kw
+        args = inputs(rng, extra)
+        w = jnp.asarray(rng.normal(size=args[2].shape), jnp.float64)
+        unsharded = functools.partial(op, impl="chunked", segment_ids=ids, **kw)
+        ref_out, ref_grads = out_and_grads(unsharded)(w, *args)
+        spec = Spec(None, "seq")
+        f = jax.shard_map(functools.partial(with_ids, op, kw), mesh=mesh,
+                          in_specs=(spec,) * (len(args) + 1), out_specs=spec)
+        out, grads = out_and_grads(functools.partial(f, ids))(w, *args)
+        errs = [rel_err(out, ref_out)] + [rel_err(a, b) for a, b in zip(grads, ref_grads)]
+        ok = out.dtype == jnp.float64 and max(errs) <= 1e-10
+        failed += not ok
+        print(f"{'ok' if ok else 'FAIL'} {name} out {errs[0]:.1e} grads {max(errs[1:]):.1e}")
+    return int(failed > 0)
+
+
 def bytes_table() -> int:
     """Measured bytes per device against ``(P − 1)·B·H·|s|·4``; returns the number of mismatches."""
     mesh = jax.make_mesh((P_DEV,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -149,5 +192,7 @@ def bytes_table() -> int:
 if __name__ == "__main__":
     if sys.argv[1:] == ["bytes"]:
         sys.exit(int(bytes_table() > 0))
+    elif sys.argv[1:] == ["segments"]:
+        sys.exit(check_segments())
     else:
         sys.exit(check())

@@ -49,18 +49,19 @@ def test_xla_chain_matches_reference_x64(x64, rng, name, gate, normalize):
 
 @pytest.mark.parametrize("name", OPS)
 def test_chain_is_generic_and_keeps_the_input_dtype(rng, name):
-    """A chain over any ``la``: over the quadratic LA reference it is the operator; with bf16
+    """A chain over any ``la(q, k, v, g, h0) -> (o, hT)``: over the quadratic LA reference (no
+    states) it is the operator; with bf16
     inputs every LA call gets bf16 ``q, k, v`` (the intermediate is cast back)."""
     T = 12
     q, k, v, g = (x.astype(jnp.bfloat16) for x in make_inputs(rng, T, "token", True,
                                                              np.float32, B=B, H=H, d=D, dv=DV))
     seen = []
 
-    def la(q, k, v, g):
+    def la(q, k, v, g, h0):
         seen.append((q.dtype, k.dtype, v.dtype))
-        return reference.linear_attention(q, k, v, g)
+        return reference.linear_attention(q, k, v, g), None
 
-    out = getattr(chains, name)(la, q, k, v, g, normalize=True)
+    out, _ = getattr(chains, name)(la, q, k, v, g, normalize=True)
     assert seen == [(jnp.bfloat16,) * 3] * 2
     assert_close(out, _oracle(name, True, T)(q, k, v, g), 2e-2)
 

@@ -109,3 +109,21 @@ def test_carry_properties(t, seed):
     assert not out[: z + 1].any()
     np.testing.assert_allclose(out[z + 1], H[: z + 2].sum(0), atol=1e-5)
     np.testing.assert_array_equal(out[z + 2:], H[z + 2:])
+
+
+def test_carry_per_row():
+    """``carry(H, t)`` with one position per batch row equals each row carried alone."""
+    H = jnp.asarray(np.random.default_rng(0).normal(size=(6, 4, 3)))
+    t = jnp.asarray([0, 1, 12, 7], jnp.int32)
+    out = jax.jit(fenwick.carry)(H, t)
+    for b in range(4):
+        np.testing.assert_array_equal(out[:, b], fenwick.carry(H[:, b], t[b]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(s=st.integers(0, 2**12), gap=st.integers(1, 2**12), step=st.integers(0, 2**12))
+def test_levels_at(s, gap, step):
+    """A key ``s`` at level ℓ of ``t0 > s`` is at level ``levels_at(L, t, t0)[ℓ]`` of ``t ≥ t0``."""
+    t0, t = s + gap, s + gap + step
+    lev = np.asarray(fenwick.levels_at(15, jnp.int32(t), jnp.int32(t0)))
+    assert lev[int(fenwick.level(t0, s))] == int(fenwick.level(t, s))

@@ -141,3 +141,28 @@ def test_errors(rng):
         linear.mamba2(q, k, v, g[:, :5])
     with pytest.raises(ValueError, match="chunk_size"):
         linear.mamba2(q, k, v, g, chunk_size=0)
+
+
+def test_linear_attention_documents_and_state(x64, rng):
+    """Without a gate: ``segment_ids`` reset the state at each document start (equal to each
+    document alone), and a chunked pass from the state after the first 19 tokens (mid-document,
+    off the chunk grid) continues the one-pass outputs and final state."""
+    q, k, v, _ = _inputs(rng, 40)
+    seg = jnp.asarray([np.repeat([0, 1, 2], [11, 20, 9]), np.repeat([5, 6, 7], [9, 11, 20])])
+    out, state = linear.linear_attention(q, k, v, segment_ids=seg, impl="chunked", chunk_size=8,
+                                         return_final_state=True)
+    oracle = jax.jit(ref.linear_attention)
+    for b, cuts in enumerate([(0, 11, 31, 40), (0, 9, 20, 40)]):
+        for s, e in zip(cuts[:-1], cuts[1:]):
+            alone = oracle(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e])
+            assert_close(out[b:b + 1, s:e], alone, 1e-10, f"row {b} [{s}, {e})")
+    o1, s1 = linear.linear_attention(q[:, :19], k[:, :19], v[:, :19], segment_ids=seg[:, :19],
+                                     impl="chunked", chunk_size=8, return_final_state=True)
+    o2, s2 = linear.linear_attention(q[:, 19:], k[:, 19:], v[:, 19:], segment_ids=seg[:, 19:],
+                                     impl="chunked", chunk_size=8, initial_state=s1,
+                                     return_final_state=True)
+    assert_close(jnp.concatenate([o1, o2], 1), out, 1e-10, "two pieces")
+    assert_close(s2, state, 1e-10, "final state")
+    _, s_rec = linear.linear_attention(q, k, v, segment_ids=seg, impl="recurrent",
+                                       return_final_state=True)
+    assert_close(state, s_rec, 1e-10, "recurrent final state")

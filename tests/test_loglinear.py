@@ -97,7 +97,8 @@ def test_all_ones_lambda_is_the_plain_operator(x64, rng, impl, chunk):
 
 @pytest.mark.parametrize("name", [LL_M2, LL_GDN])
 def test_decode_step_equals_chunked(x64, rng, name):
-    """``step`` at traced positions t (fixed maximum of 15 levels) reproduces the chunked output."""
+    """``step`` (its position carried in the state; fixed maximum of 15 levels) reproduces the
+    chunked output."""
     T, levels = 70, 15
     q, k, v, g, beta, lam = _inputs(rng, T, levels=levels)
     beta = beta if OPS[name][2] else None
@@ -105,7 +106,7 @@ def test_decode_step_equals_chunked(x64, rng, name):
     state = loglinear.init_state(2, 2, 5, 3, levels, jnp.float64)
     step = jax.jit(loglinear.step)
     for t in range(T):
-        o, state = step(state, jnp.int32(t), q[:, t], k[:, t], v[:, t], g[:, t],
+        o, state = step(state, q[:, t], k[:, t], v[:, t], g[:, t],
                         None if beta is None else beta[:, t], lam[:, t])
         assert_close(o, full[:, t], 1e-10, f"t={t}")
 

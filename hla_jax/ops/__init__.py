@@ -10,7 +10,11 @@
     o = ops.loglinear_gated_deltanet(q, k, v, g, beta, lam, *, impl="auto", chunk_size=64)
 
 q, k: [B,T,H,d]; v: [B,T,H,dv]; g: [B,T,H] log-decay (<= 0); beta: [B,T,H];
-lam: [B,T,H,levels]; impl: "reference" | "recurrent" | "scan" | "chunked" | "auto".
+lam: [B,T,H,levels]; impl: "reference" | "recurrent" | "scan" | "chunked" | "pallas" | "auto".
+Every entry also takes ``segment_ids: [B,T]`` int (packed documents: the operator on each
+document alone, SPEC §8), ``initial_state`` / ``return_final_state`` (recurrent, chunked, pallas:
+start from the family's decode state and return ``(o, final_state)``) and ``seq_axis`` (the mesh
+axis time is sharded over, ``ops.sequence``).
 """
 
 from hla_jax.ops import ahla as ahla_family

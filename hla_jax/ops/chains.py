@@ -10,18 +10,28 @@ Exact, not approximate: for ``i ≤ j ≤ t`` the decay factors, ``D(t,i) = D(t,
 factor ``D(t,i)`` reaching past the middle index ``j`` splits there.  hla2:
 ``D(t,j)² D(j,i) = D(t,i) D(t,j)`` (outer gate 2g, ``D(t,j)²`` is the decay of ``2g``); ahla:
 ``D(t,i) D(i,j) = D(t,j)``; hla3: ``D(t,u)² D(u,i) D(u,j) = D(t,i) D(t,u) D(u,j)``.  With
-``g = None`` (no decay) 2g is ``None`` too.
+``g = None`` (no decay) 2g is ``None`` too.  A reset ``g_r = −∞`` (a packed document's first
+token, SPEC §8) zeroes every ``D(t,s)`` with ``s < r ≤ t`` in both passes (``2g_r = −∞``), so
+the chains reset exactly where the operator does.
 
 Ratio normalisation: the operators are linear in the innermost values, and the denominator is
 the same chain with those values replaced by 1, so a ones column is appended to them (hla2's
 outer ``v``, ahla's inner ``v``, hla3's inner ``[k | v]``) and the last output column divides the
 rest (``clamp_signed``, ``common.ratio_last_column``).
 
-A chain takes ``la(q, k, v, g) -> o`` (``q, k: [B,T,H,d]``, ``v: [B,T,H,n]``, ``g: [B,T,H]`` or
-``None``; ``o: [B,T,H,n]``), so the same three functions run over any LA implementation:
-``over_xla`` (``linear.chunked``, the families' ``chunked`` form, sequence-parallel through
-LA's own ``seq_axis``) and ``over_pallas`` (``kernels.la.la_pallas``).  The intermediate
-(``K̃``, ``Ṽ``) is cast to the inputs' dtype, so 16-bit inputs give the second call 16-bit inputs.
+States: the decode state of each family is its chain's two LA states (``H = Σ D k vᵀ``, the
+layout of ``linear.init_state``): hla2 ``(S, U)`` (inner over values ``k``, outer), ahla
+``(P, E)``, hla3 ``(S, P, F)`` with ``[S | P]`` the inner state over values ``[k | v]``.  A
+chain takes the family's state (or ``None``: zeros) and returns ``(o, state)``, so a prompt is
+prefilled in one parallel pass and a sequence can be processed in pieces.
+
+A chain takes ``la(q, k, v, g, h0) -> (o, hT)`` (``q, k: [B,T,H,d]``, ``v: [B,T,H,n]``, ``g:
+[B,T,H]`` or ``None``, ``h0, hT: [B,H,d,n]``, ``h0 = None`` zeros, ``hT = None`` when the LA does
+not return states; ``o: [B,T,H,n]``), so the same three functions run over any LA
+implementation: ``over_xla`` (``linear.chunked``, the families' ``chunked`` form,
+sequence-parallel through LA's own ``seq_axis``) and ``over_pallas`` (``kernels.la.la_pallas``).
+The intermediate (``K̃``, ``Ṽ``) is cast to the inputs' dtype, so 16-bit inputs give the second
+call 16-bit inputs.
 """
 
 from __future__ import annotations
@@ -41,58 +51,84 @@ def _twice(g):
     return None if g is None else 2 * g
 
 
-def hla2(la, q, k, v, g=None, *, normalize=False, eps=1e-6):
-    """``LA(q, K̃, v; 2g)`` with ``K̃ = LA(q, k, k; g)``; ``[v | 1]`` when ``normalize``."""
-    Kt = la(q, k, k, g).astype(k.dtype)
-    o = la(q, Kt, with_ones_column(v) if normalize else v, _twice(g))
-    return finish(o, normalize, eps)
+def _fields(state, n):
+    """The ``n`` fields of a family state, ``None`` each when the state is (zeros)."""
+    return (None,) * n if state is None else tuple(state)
 
 
-def ahla(la, q, k, v, g=None, *, normalize=False, eps=1e-6):
-    """``LA(q, k, Ṽ; g)`` with ``Ṽ = LA(q, k, v; g)``; ``[v | 1]`` when ``normalize``."""
-    Vt = la(q, k, with_ones_column(v) if normalize else v, g).astype(v.dtype)
-    return finish(la(q, k, Vt, g), normalize, eps)
+def hla2(la, q, k, v, g=None, *, normalize=False, eps=1e-6, state=None):
+    """``LA(q, K̃, v; 2g)`` with ``K̃ = LA(q, k, k; g)``; ``[v | 1]`` when ``normalize``.
+    State ``(S, U)``: the inner and the outer LA state."""
+    S0, U0 = _fields(state, 2)
+    Kt, S = la(q, k, k, g, S0)
+    o, U = la(q, Kt.astype(k.dtype), with_ones_column(v) if normalize else v, _twice(g), U0)
+    return finish(o, normalize, eps), (S, U)
 
 
-def hla3(la, q, k, v, g=None, *, normalize=False, eps=1e-6):
+def ahla(la, q, k, v, g=None, *, normalize=False, eps=1e-6, state=None):
+    """``LA(q, k, Ṽ; g)`` with ``Ṽ = LA(q, k, v; g)``; ``[v | 1]`` when ``normalize``.
+    State ``(P, E)``: the inner and the outer LA state."""
+    P0, E0 = _fields(state, 2)
+    Vt, P = la(q, k, with_ones_column(v) if normalize else v, g, P0)
+    o, E = la(q, k, Vt.astype(v.dtype), g, E0)
+    return finish(o, normalize, eps), (P, E)
+
+
+def hla3(la, q, k, v, g=None, *, normalize=False, eps=1e-6, state=None):
     """Causal mask: ``LA(q, K̃, Ṽ; 2g)`` with ``[K̃ | Ṽ] = LA(q, k, [k | v]; g)`` (``[k | v | 1]``
-    when ``normalize``): one inner pass with ``d + dv (+1)`` value columns."""
+    when ``normalize``): one inner pass with ``d + dv (+1)`` value columns.  State
+    ``(S, P, F)``: ``[S | P]`` the inner LA state, ``F`` the outer one."""
     d = k.shape[-1]
-    KV = la(q, k, jnp.concatenate([k, with_ones_column(v) if normalize else v], -1), g)
+    S0, P0, F0 = _fields(state, 3)
+    h0 = None if state is None else jnp.concatenate([S0, P0], -1)
+    KV, h = la(q, k, jnp.concatenate([k, with_ones_column(v) if normalize else v], -1), g, h0)
     KV = KV.astype(jnp.result_type(k, v))
-    return finish(la(q, KV[..., :d], KV[..., d:], _twice(g)), normalize, eps)
+    o, F = la(q, KV[..., :d], KV[..., d:], _twice(g), F0)
+    S, P = (None, None) if h is None else (h[..., :d], h[..., d:])
+    return finish(o, normalize, eps), (S, P, F)
 
 
-def over_xla(chain):
+def over_xla(chain, state_type):
     """``chain`` over XLA's chunked LA (``linear.chunked``): the ``chunked`` form of its family,
-    ``f(q, k, v, g=None, *, normalize, eps, chunk_size, seq_axis)``, on inputs cast to the state
-    dtype; ``seq_axis`` goes to every LA call (``ops.sequence``)."""
+    ``f(q, k, v, g=None, *, normalize, eps, chunk_size, seq_axis, initial_state) -> (o, state)``
+    (``state`` a ``state_type``), on inputs cast to the state dtype; ``seq_axis`` goes to every
+    LA call (``ops.sequence``)."""
 
     @functools.partial(jax.jit, static_argnames=("normalize", "chunk_size", "seq_axis"))
-    def chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, seq_axis=None):
+    def chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, seq_axis=None,
+                initial_state=None):
         dt = state_dtype(q, k, v, g)
 
-        def la(q, k, v, g):
+        def la(q, k, v, g, h0):
             return linear.chunked(q, k, v, gate_or_zeros(g, *q.shape[:3], dt), chunk_size,
-                                  seq_axis)
+                                  seq_axis, h0)
 
         q, k, v = (x.astype(dt) for x in (q, k, v))
-        return chain(la, q, k, v, None if g is None else g.astype(dt), normalize=normalize,
-                     eps=eps)
+        o, state = chain(la, q, k, v, None if g is None else g.astype(dt), normalize=normalize,
+                         eps=eps, state=initial_state)
+        return o, state_type(*state)
 
     return chunked
 
 
-def over_pallas(chain):
-    """``chain`` over the Pallas LA kernel ``hla_jax.kernels.la.la_pallas`` (float32 outputs;
-    interpret mode on CPU): ``f(q, k, v, g=None, *, normalize, eps, chunk_size)``, inputs in their
-    own dtype (bf16 stays bf16 for both calls)."""
+def over_pallas(chain, state_type):
+    """``chain`` over the Pallas LA kernel ``hla_jax.kernels.la.la_pallas`` (float32 outputs and
+    states; interpret mode on CPU): ``f(q, k, v, g=None, *, normalize, eps, chunk_size,
+    initial_state, return_final_state) -> (o, state)``, ``state`` a ``state_type`` or ``None``
+    unless ``return_final_state`` (the kernels then skip the final state); inputs in their own
+    dtype (bf16 stays bf16 for both calls)."""
 
-    @functools.partial(jax.jit, static_argnames=("normalize", "chunk_size"))
-    def pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64):
+    @functools.partial(jax.jit, static_argnames=("normalize", "chunk_size", "return_final_state"))
+    def pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, initial_state=None,
+               return_final_state=False):
         from hla_jax.kernels.la import la_pallas  # imported at call time: the kernels import ops
 
-        return chain(functools.partial(la_pallas, chunk_size=chunk_size), q, k, v, g,
-                     normalize=normalize, eps=eps)
+        def la(q, k, v, g, h0):
+            out = la_pallas(q, k, v, g, initial_state=h0, return_final_state=return_final_state,
+                            chunk_size=chunk_size)
+            return out if return_final_state else (out, None)
+
+        o, state = chain(la, q, k, v, g, normalize=normalize, eps=eps, state=initial_state)
+        return o, state_type(*state) if return_final_state else None
 
     return pallas

@@ -72,12 +72,22 @@ def collapse(H, m):
     """``H[m] += H[0] + … + H[m−1]``, then ``H[0..m−1] = 0`` (``m`` may be traced; 0: no-op).
 
     The levels of earlier keys when the query moves from ``t0`` to ``t > t0``: a key at level
-    ``ℓ`` of ``t0`` is at level ``max(ℓ, bit_length(t XOR t0))`` of ``t``.
+    ``ℓ`` of ``t0`` is at level ``max(ℓ, bit_length(t XOR t0))`` of ``t``.  ``H: [L, ...]``;
+    ``m``: one int, or one per batch row (``[B]`` for ``H: [L,B,...]``).
     """
     L = H.shape[0]
+    m = jnp.asarray(m)
+    m = m.reshape((1,) + m.shape + (1,) * (H.ndim - 1 - m.ndim))
     idx = jnp.arange(L).reshape((L,) + (1,) * (H.ndim - 1))
     merged = jnp.sum(jnp.where(idx < m, H, 0), axis=0)
     return jnp.where(idx < m, 0, H) + jnp.where((idx == m) & (m > 0), merged, 0)
+
+
+def levels_at(L: int, t, t0):
+    """``[..., L]``: the levels at ``t ≥ t0`` of the keys before ``t0`` that are at levels
+    ``0..L−1`` of ``t0``: ``max(ℓ, bit_length(t XOR t0))`` (``collapse``'s rule; ``t, t0``
+    broadcasting ints)."""
+    return jnp.maximum(jnp.arange(L), level(t, t0)[..., None])
 
 
 def carry(H, t):
@@ -86,7 +96,8 @@ def carry(H, t):
     ``H: [L, ...]`` holds ``H[ℓ]`` = the keys at level ℓ of position ``t − 1``.  For ``t > 0``
     with ``z = trailing_zeros(t)``: ``H[z+1] += H[0] + … + H[z]``; ``H[0..z] = 0``; for ``t = 0``
     nothing moves.  Afterwards ``H[ℓ]`` (ℓ ≥ 1) holds the keys at level ℓ of ``t``, and
-    ``H[0]`` is empty.  ``t`` may be traced (no Python branching); requires ``t < 2^(L−1)``.
+    ``H[0]`` is empty.  ``t`` may be traced (no Python branching), one per batch row as in
+    ``collapse``; requires ``t < 2^(L−1)``.
     """
     t = jnp.asarray(t)
     return collapse(H, jnp.where(t > 0, trailing_zeros(t) + 1, 0))

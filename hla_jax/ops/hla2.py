@@ -4,7 +4,7 @@
 
 optionally ratio-normalised: ``o_t / clamp_signed(den_t, eps)`` with ``den`` the same sum with
 ``v_j`` replaced by 1.  The operator is linear in V, so the normalised form runs once on ``[V | 1]``
-(``dv + 1`` columns): the last columns of ``C`` and ``G`` are SPEC's twins ``m`` and ``h``.
+(``dv + 1`` columns): the last columns of ``C``, ``G`` and ``U`` are SPEC's ``m``, ``h``, ``S m − h``.
 Forms that agree: the quadratic ``reference``, the serial ``recurrent`` form (``step`` = the
 decode step), the token-level associative ``scan`` over ``token_summaries`` with ``combine``, and
 the ``chunked`` form, which is SPEC §7's chain of two first-order linear-attention passes
@@ -12,8 +12,12 @@ the ``chunked`` form, which is SPEC §7's chain of two first-order linear-attent
 "pallas" is the same chain over the Pallas LA kernel.  The decode state is the chain's two LA
 states: ``S = Σ D k kᵀ`` is the inner LA's (values ``k``), and ``U = S C − G = Σ_j D(t,j)² K̃_j v_jᵀ``
 the outer one's (decay ``a²``, keys ``K̃_t = S_t q_t``), ``U_t = a_t² U_{t-1} + S_t q_t v_tᵀ``.
+Packed documents (``segment_ids``, SPEC §8): the state resets at every document start,
+``g = −∞`` there (``hla_forms.dispatch``), in every form.  The recurrent, chunked and Pallas
+forms start from an ``initial_state`` (a ``State``) and can return the final one (from the
+chain's two LA passes in the chunked and Pallas forms).
 Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (log-decay ``<= 0``) or ``[H]`` or
-``None``; outputs ``[B,T,H,dv]`` in the state dtype.
+``None``, ``segment_ids: [B,T]`` int or ``None``; outputs ``[B,T,H,dv]`` in the state dtype.
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
 
 
 class State(NamedTuple):
-    """Recurrent state, each ``[B,H,...]``: ``S: d×d``, ``C, G: d×dv`` (``d×(dv+1)`` when
-    normalised: the last column is ``m`` resp. ``h``)."""
+    """Recurrent state, each ``[B,H,...]``, the SPEC §7 chain's two LA states:
+    ``S = Σ D k kᵀ: d×d`` and ``U = S C − G = Σ_j D(t,j)² (S_j q_j) v_jᵀ: d×dv`` (``d×(dv+1)``
+    when normalised: the last column is the denominator's ``S m − h``)."""
     S: jax.Array
-    C: jax.Array
-    G: jax.Array
+    U: jax.Array
 
 
 class Summary(NamedTuple):
@@ -53,34 +57,30 @@ class Summary(NamedTuple):
 def init_state(B: int, H: int, d: int, dv: int, *, normalize: bool = False,
                dtype=jnp.float32) -> State:
     """The empty prefix (``dv + 1`` value columns when ``normalize``)."""
-    shape = (B, H, d, dv + normalize)
-    return State(jnp.zeros((B, H, d, d), dtype), jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return State(jnp.zeros((B, H, d, d), dtype), jnp.zeros((B, H, d, dv + normalize), dtype))
 
 
-def readout(s, q, *, normalize: bool = False, eps: float = 1e-6):
-    """``o = qᵀ(S C − G)`` from a prefix state or summary (``q: [...,d]`` against states with the
-    same leading axes), divided by the denominator column when ``normalize``."""
+def readout(s: Summary, q, *, normalize: bool = False, eps: float = 1e-6):
+    """``o = qᵀ(S C − G)`` from a prefix summary (``q: [...,d]`` against summaries with the same
+    leading axes), divided by the denominator column when ``normalize``."""
     qS = ein("...i,...ij->...j", q, s.S)
     o = ein("...j,...jv->...v", qS, s.C) - ein("...i,...iv->...v", q, s.G)
     return finish(o, normalize, eps)
 
 
 def step(state: State, q_t, k_t, v_t, g_t=None, *, normalize: bool = False, eps: float = 1e-6):
-    """One token of the recurrence (SPEC §1); ``q_t, k_t: [B,H,d]``, ``v_t: [B,H,dv]``, ``g_t: [B,H]``.
+    """One token of the recurrence (SPEC §1, the ``U = S C − G`` form); ``q_t, k_t: [B,H,d]``,
+    ``v_t: [B,H,dv]``, ``g_t: [B,H]``.
 
-        G ← a² G + a k (kᵀ C)   (the PREVIOUS C)     S ← a S + k kᵀ     C ← a C + q vᵀ
-        o = qᵀ(S C − G)
+        S ← a S + k kᵀ        U ← a² U + (S q) vᵀ   (the CURRENT S)        o = qᵀ U
 
     Returns ``(o_t [B,H,dv], new_state)``.
     """
     q_t, k_t, v_t, g_t = cast_inputs(q_t, k_t, v_t, g_t, normalize)
     a = 1.0 if g_t is None else jnp.exp(g_t)[..., None, None]
-    new = State(
-        S=a * state.S + outer(k_t, k_t),
-        C=a * state.C + outer(q_t, v_t),
-        G=a**2 * state.G + a * outer(k_t, ein("...i,...iv->...v", k_t, state.C)),
-    )
-    return readout(new, q_t, normalize=normalize, eps=eps), new
+    S = a * state.S + outer(k_t, k_t)
+    U = a**2 * state.U + outer(ein("...ij,...j->...i", S, q_t), v_t)
+    return finish(ein("...i,...iv->...v", q_t, U), normalize, eps), State(S, U)
 
 
 def token_summaries(q, k, v, g=None) -> Summary:
@@ -101,13 +101,13 @@ def combine(a: Summary, b: Summary) -> Summary:
 
 
 FAMILY = hla_forms.Family("hla2", init_state, step, token_summaries, combine, readout,
-                          reference.hla2, chains.over_xla(chains.hla2),
-                          chains.over_pallas(chains.hla2))
+                          reference.hla2, chains.over_xla(chains.hla2, State),
+                          chains.over_pallas(chains.hla2, State))
 
 
 @precision_from_inputs
 def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64,
-         seq_axis=None):
+         seq_axis=None, segment_ids=None, initial_state=None, return_final_state=False):
     """Second-order masked HLA, ``[B,T,H,dv]`` in the state dtype (float32, float64 for float64 inputs).
 
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
@@ -116,7 +116,11 @@ def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
     chain over ``hla_jax.kernels.la.la_pallas``; interpret mode on CPU) | "auto" (the Pallas
     chain on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``:
     the mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
-    ``ops.sequence``).
+    ``ops.sequence``).  ``segment_ids [B,T]`` int: packed documents, each run as if alone
+    (SPEC §8; every impl).  ``initial_state`` (a ``State``, the layout of ``init_state``) and
+    ``return_final_state`` (recurrent, chunked, pallas, auto; not with ``seq_axis``): start from
+    a state (the row's first token continues it) and return ``(o, final_state)``.
     """
     return hla_forms.dispatch(FAMILY, impl, IMPLS, q, k, v, g, normalize=normalize, eps=eps,
-                              chunk_size=chunk_size, seq_axis=seq_axis)
+                              chunk_size=chunk_size, seq_axis=seq_axis, segment_ids=segment_ids,
+                              initial_state=initial_state, return_final_state=return_final_state)

@@ -15,9 +15,17 @@ first-order linear-attention passes (``chains.hla3``: ``LA(q, K̃, Ṽ; 2g)`` wi
 Pallas LA kernel; the decode state is the chain's LA states: ``S = Σ D k kᵀ`` and
 ``P = Σ D k vᵀ`` the inner LA's (values ``[k | v]``), ``F = Σ_u D(t,u)² K̃_u Ṽ_uᵀ`` the outer
 one's (decay ``a²``, ``K̃_t = S_t q_t``, ``Ṽ_t = P_tᵀ q_t``).  The ``paper`` mask does not factor
-so: its chunked form is ``paper_chunk`` scanned over chunks.
+so: its chunked form is ``paper_chunk`` scanned over chunks, whose carry is the recurrent
+``PaperState``.
+Packed documents (``segment_ids``, SPEC §8), every form: causal resets its state through the
+gate, ``g = −∞`` at every document start (``hla_forms.dispatch``); ``paper`` has no decay, so its
+forms cut at the starts themselves: the reference zeroes the cross-document entries of QKᵀ
+(``paper_reference``), the recurrence restarts from the empty state, the scan's combine is
+segmented, and ``paper_chunk`` masks by document and cuts the carried state (``paper_chunked``,
+sequence-parallel too).  States: the recurrent, chunked and Pallas forms start from an
+``initial_state`` (``State``; ``PaperState`` for ``paper``) and can return the final one.
 Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (log-decay ``<= 0``), ``[H]`` or
-``None``; outputs ``[B,T,H,dv]`` in the state dtype.
+``None``, ``segment_ids: [B,T]`` int or ``None``; outputs ``[B,T,H,dv]`` in the state dtype.
 """
 
 from __future__ import annotations
@@ -235,41 +243,78 @@ def paper_combine(a: PaperSummary, b: PaperSummary) -> PaperSummary:
     return PaperSummary(*(x + y for x, y in zip(a[:-1], b[:-1])), H)
 
 
-def paper_chunk(state: PaperState, Q, K, V):
+def paper_chunk(state: PaperState, Q, K, V, doc=None):
     """One chunk of the ``paper`` form (``Q, K: [B,H,c,d]``, ``V: [B,H,c,dv]``): returns the state
     after the chunk (the recurrent ``PaperState``: a chunked prefill can hand it to ``paper_step``)
-    and the chunk's outputs ``[B,H,c,dv]``.
+    and the chunk's outputs ``[B,H,c,dv]``.  ``doc: [B,c]`` int: each token's document counted
+    from the chunk's start, 0 for the one the carried state belongs to (None: all 0).
 
-    With the carried ``(SK0, SQ0, P0, G·0)``, ``A = QKᵀ``, ``a = diag(A)``, strict mask ``L_s``,
-    rows of the pre-token moments (no per-token d×d states):
-    ``Z_τ = k_τᵀ SQ_{τ-1}``: ``Z = K SQ0 + (L_s ∘ Aᵀ) Q``;  ``Y_τ = (SK_{τ-1} q_τ)ᵀ``:
-    ``Y = Q SK0 + (L_s ∘ A) K``;  ``R_τ = q_τᵀ P_{τ-1}``: ``R = Q P0 + (L_s ∘ A) V``;
+    With the carried ``(SK0, SQ0, P0, G·0)``, ``A = QKᵀ``, ``a = diag(A)``, the masks
+    ``L ∘ E``, ``L_s ∘ E`` (``L_s`` strict, ``E[τ,σ] = [doc τ = doc σ]``; below, ``L`` and ``L_s``
+    include ``E``), ``f_τ = [doc τ = 0]`` (the token reads the carried state) and rows of the
+    pre-token moments of the token's document (no per-token d×d states):
+    ``Z_τ = k_τᵀ SQ_{τ-1}``: ``Z = f ∘ K SQ0 + (L_s ∘ Aᵀ) Q``;  ``Y_τ = (SK_{τ-1} q_τ)ᵀ``:
+    ``Y = f ∘ Q SK0 + (L_s ∘ A) K``;  ``R_τ = q_τᵀ P_{τ-1}``: ``R = f ∘ Q P0 + (L_s ∘ A) V``;
     ``σ_τ = k_τᵀ SQ_{τ-1} k_τ = Z_τ·k_τ``.  Token m adds to ``H = SK SQ P − ΣG`` the triples with
     maximum m repeated, ``a_m k_m R_m + a_m (SK_{m-1} q_m) v_mᵀ + (σ_m + a_m²) k_m v_mᵀ``, so
 
-        O  = Q H0 + (L ∘ A)(a R + (σ + a²) V) + (L ∘ (Q Yᵀ)) (a V)
-        G1 += Kᵀ (Z P0 + (L_s ∘ Z Kᵀ) V)     G2 += Yᵀ R     G3 += (Z SK0 + (L_s ∘ Z Kᵀ) K)ᵀ V
+        O  = f ∘ Q H0 + (L ∘ A)(a R + (σ + a²) V) + (L ∘ (Q Yᵀ)) (a V)
+
+    and the state after the chunk is its last document's: with ``l_τ = [doc τ = doc_c]`` and
+    ``κ = f_c`` (no start in the chunk: the carried state goes on), ``X → κ X + …`` for every
+    field, ``SK += Kᵀ(l ∘ K)``, ``SQ += Qᵀ(l ∘ Q)``, ``P += Kᵀ(l ∘ V)`` and
+
+        G1 += Kᵀ (l ∘ (f ∘ Z P0 + (L_s ∘ Z Kᵀ) V))     G2 += Yᵀ (l ∘ R)
+        G3 += (f ∘ Z SK0 + (L_s ∘ Z Kᵀ) K)ᵀ (l ∘ V)
     """
     c = Q.shape[-2]
-    L, Ls = causal_mask(c, Q.dtype), jnp.tril(jnp.ones((c, c), Q.dtype), -1)
+    doc = (jnp.zeros((1, c), jnp.int32) if doc is None else doc)[:, None]  # [B,1,c] over heads
+    same = (doc[..., :, None] == doc[..., None, :]).astype(Q.dtype)
+    L, Ls = causal_mask(c, Q.dtype) * same, jnp.tril(jnp.ones((c, c), Q.dtype), -1) * same
+    f = (doc == 0)[..., None].astype(Q.dtype)
+    l = (doc == doc[..., -1:])[..., None].astype(Q.dtype)
+    kappa = f[..., -1:, :]
     A = mm(Q, tr(K))
     a = jnp.diagonal(A, axis1=-2, axis2=-1)[..., None]
-    Z = mm(K, state.SQ) + mm(Ls * tr(A), Q)
-    Y = mm(Q, state.SK) + mm(Ls * A, K)
-    R = mm(Q, state.P) + mm(Ls * A, V)
+    Z = f * mm(K, state.SQ) + mm(Ls * tr(A), Q)
+    Y = f * mm(Q, state.SK) + mm(Ls * A, K)
+    R = f * mm(Q, state.P) + mm(Ls * A, V)
     sigma = jnp.sum(Z * K, -1, keepdims=True)
     ZK = Ls * mm(Z, tr(K))
-    O = (mm(Q, _paper_H(state)) + mm(L * A, a * R + (sigma + a**2) * V)
+    O = (f * mm(Q, _paper_H(state)) + mm(L * A, a * R + (sigma + a**2) * V)
          + mm(L * mm(Q, tr(Y)), a * V))
     new = PaperState(
-        SK=state.SK + mm(tr(K), K),
-        SQ=state.SQ + mm(tr(Q), Q),
-        P=state.P + mm(tr(K), V),
-        G1=state.G1 + mm(tr(K), mm(Z, state.P) + mm(ZK, V)),
-        G2=state.G2 + mm(tr(Y), R),
-        G3=state.G3 + mm(tr(mm(Z, state.SK) + mm(ZK, K)), V),
+        SK=mm(tr(K), l * K),
+        SQ=mm(tr(Q), l * Q),
+        P=mm(tr(K), l * V),
+        G1=mm(tr(K), l * (f * mm(Z, state.P) + mm(ZK, V))),
+        G2=mm(tr(Y), l * R),
+        G3=mm(tr(f * mm(Z, state.SK) + mm(ZK, K)), l * V),
     )
-    return new, O
+    return PaperState(*(kappa * x + y for x, y in zip(state, new))), O
+
+
+def paper_reference(q, k, v, g=None, *, normalize=False, eps=1e-6, starts=None):
+    """``reference.hla3(mask="paper")``; with ``starts [B,T]`` (document starts) on ``QKᵀ`` with
+    every cross-document entry zeroed."""
+    doc = None if starts is None else jnp.cumsum(starts, axis=1)
+    same = None if doc is None else doc[:, :, None] == doc[:, None, :]
+    return reference.hla3(q, k, v, g, mask="paper", normalize=normalize, eps=eps, same=same)
+
+
+def _shard_prefix(total, restart, seq_axis):
+    """``Σ total_i`` over the shards ``i < j`` back to the latest one that restarts (holds a
+    document start; its total is then its last document's alone): ``restart: [B]`` bool, or
+    ``None`` (no documents: ``sequence.exclusive_sum``)."""
+    if restart is None:
+        return sequence.exclusive_sum(total, seq_axis)
+
+    def step(_, acc, s):
+        x, r = s
+        return jax.tree.map(lambda a, y: jnp.where(r[:, None, None, None], y, a + y), acc, x)
+
+    return sequence.device_prefix(step, jax.tree.map(jnp.zeros_like, total), (total, restart),
+                                  seq_axis)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,46 +322,62 @@ def paper_chunk(state: PaperState, Q, K, V):
 
 
 @functools.partial(jax.jit, static_argnames=("normalize", "chunk_size", "seq_axis"))
-def paper_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, seq_axis=None):
-    """``paper`` chunked form ``[B,T,H,dv]`` (``g`` is ``None``): T padded to a multiple of
-    ``c = min(chunk_size, T)``, a ``lax.scan`` of ``paper_chunk`` over the chunks ``[B,H,N,c,·]``.
+def paper_chunked(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, seq_axis=None,
+                  initial_state=None, starts=None):
+    """``paper`` chunked form (``g`` is ``None``) -> ``(o [B,T,H,dv], final PaperState)``: T
+    padded to a multiple of ``c = min(chunk_size, T)``, a ``lax.scan`` of ``paper_chunk`` over the
+    chunks ``[B,H,N,c,·]`` from ``initial_state`` (None: empty), each chunk told its tokens'
+    documents from the document starts ``starts [B,T]`` (None: one document).
 
     Under ``seq_axis`` (shard ``j``), in two small collectives instead of gathering the
     ``d³·dv`` map of ``paper_combine``: the moments ``(SK0, SQ0, P0)`` of the earlier shards are
     an exclusive sum; the scan starts from ``(SK0, SQ0, P0, G = 0)``, whose ``H`` is
     ``H0' = SK0 SQ0 P0``; ``H`` then grows by a term ``ΔH_j`` that depends on the moments only,
     so the true prefix is ``H0 = Σ_{i<j} ΔH_i`` (a second exclusive sum) and every output gains
-    ``Q (H0 − H0')`` (``o_t = q_tᵀ H_t`` is affine in the initial ``H``).
+    ``Q (H0 − H0')`` (``o_t = q_tᵀ H_t`` is affine in the initial ``H``).  With documents, both
+    sums run back to the latest shard holding a start (``_shard_prefix``): such a shard
+    contributes its last document's moments and its final ``H`` (which no longer depends on
+    what came before), and only the tokens before the shard's first start gain the correction.
     """
     B, T, H, d = q.shape
     q, k, v, _ = cast_inputs(q, k, v, None, normalize)
     c = min(chunk_size, T)
     Q, K, V = (to_chunks(pad_time(x, c), c) for x in (q, k, v))
-    init = paper_init_state(B, H, d, V.shape[-1], dtype=Q.dtype)
+    N = Q.shape[2]
+    at_start = jnp.zeros((B, T), bool) if starts is None else starts
+    doc = jnp.cumsum(pad_time(at_start, c).reshape(B, N, c), -1)  # documents from each chunk start
+    init = (paper_init_state(B, H, d, V.shape[-1], dtype=Q.dtype) if initial_state is None
+            else PaperState(*(x.astype(Q.dtype) for x in initial_state)))
     if seq_axis is not None:
-        moments = [ein("bhncd,bhnce->bhde", x, y) for x, y in ((K, K), (Q, Q), (K, V))]
+        shard_doc = jnp.cumsum(at_start, 1)  # documents from the shard's start
+        restart = None if starts is None else shard_doc[:, -1] > 0
+        last = (shard_doc == shard_doc[:, -1:]).astype(q.dtype)[:, :, None, None]
+        moments = [ein("bthd,bthe->bhde", last * x, y) for x, y in ((k, k), (q, q), (k, v))]
         init = sequence.varying(init, seq_axis)._replace(
-            **dict(zip(("SK", "SQ", "P"), sequence.exclusive_sum(moments, seq_axis))))
+            **dict(zip(("SK", "SQ", "P"), _shard_prefix(moments, restart, seq_axis))))
     final, O = jax.lax.scan(lambda s, x: paper_chunk(s, *x), init,
-                            tuple(jnp.moveaxis(x, 2, 0) for x in (Q, K, V)))
+                            (*(jnp.moveaxis(x, 2, 0) for x in (Q, K, V)), jnp.moveaxis(doc, 1, 0)))
     O = jnp.moveaxis(O, 0, 2)
     if seq_axis is not None:
-        H0 = sequence.exclusive_sum(_paper_H(final) - _paper_H(init), seq_axis)
-        O = O + mm(Q, (H0 - _paper_H(init))[:, :, None])
-    return finish(from_chunks(O, T), normalize, eps)
+        carried = 1.0 if restart is None else (~restart).astype(q.dtype)[:, None, None, None]
+        H0 = _shard_prefix(_paper_H(final) - carried * _paper_H(init), restart, seq_axis)
+        first = (pad_time(shard_doc, c).reshape(B, 1, N, c, 1) == 0).astype(O.dtype)
+        O = O + first * mm(Q, (H0 - _paper_H(init))[:, :, None])
+    return finish(from_chunks(O, T), normalize, eps), final
 
 
 CAUSAL = hla_forms.Family("hla3", init_state, step, token_summaries, combine, readout,
                           functools.partial(reference.hla3, mask="causal"),
-                          chains.over_xla(chains.hla3), chains.over_pallas(chains.hla3))
+                          chains.over_xla(chains.hla3, State), chains.over_pallas(chains.hla3, State))
 PAPER = hla_forms.Family("hla3", paper_init_state, paper_step, paper_token_summaries,
-                         paper_combine, paper_readout,
-                         functools.partial(reference.hla3, mask="paper"), paper_chunked)
+                         paper_combine, paper_readout, paper_reference, paper_chunked,
+                         decayed=False)
 
 
 @precision_from_inputs
 def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="auto",
-         chunk_size=64, seq_axis=None):
+         chunk_size=64, seq_axis=None, segment_ids=None, initial_state=None,
+         return_final_state=False):
     """Third-order HLA, ``[B,T,H,dv]`` in the state dtype (float32, float64 for float64 inputs).
 
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
@@ -327,11 +388,16 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="aut
     ``hla_jax.kernels.la.la_pallas``; interpret mode on CPU) | "auto" (the causal Pallas chain
     on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``: the
     mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
-    ``ops.sequence``).
+    ``ops.sequence``).  ``segment_ids [B,T]`` int: packed documents, each run as if alone
+    (SPEC §8; every impl, both masks).  ``initial_state`` (``State``, or ``PaperState`` for
+    ``paper``: the layout of ``init_state`` / ``paper_init_state``) and ``return_final_state``
+    (recurrent, chunked, pallas, auto; not with ``seq_axis``): start from a state (the row's
+    first token continues it) and return ``(o, final_state)``.
     """
     _check_mask(mask, g)
     if mask == "paper" and impl == "pallas":
         raise ValueError("hla3: impl='pallas' is for mask='causal' only")
     return hla_forms.dispatch(PAPER if mask == "paper" else CAUSAL, impl, IMPLS, q, k, v, g,
                               normalize=normalize, eps=eps, chunk_size=chunk_size,
-                              seq_axis=seq_axis)
+                              seq_axis=seq_axis, segment_ids=segment_ids,
+                              initial_state=initial_state, return_final_state=return_final_state)

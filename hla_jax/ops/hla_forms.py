@@ -5,6 +5,15 @@ A family (``hla2``, ``ahla``, ``hla3`` causal and paper) supplies its mathematic
 ``reference``, and its ``chunked`` form (for hla2, ahla and causal hla3 the SPEC §7 chain of
 first-order LA passes, ``chains.over_xla``) and ``pallas`` form (``chains.over_pallas``, or
 ``None``).  The drivers are jitted once with the family static.
+
+Packed documents (SPEC §8, ``segment_ids: [B,T]`` int): a decayed family (``decayed=True``:
+hla2, ahla, causal hla3) resets its state through its gate, ``g = −∞`` at every document start
+(``common.reset_gate``), which every form of it takes exactly; the ``paper`` mask has no decay, so
+its forms take the starts themselves (``starts: [B,T]`` bool, ``common.doc_starts``): the
+recurrence restarts from the empty state, the scan uses a segmented combine, and the reference
+and chunked forms mask by document.  States (``initial_state`` / ``return_final_state``): the
+recurrent, chunked and Pallas forms start from a state in the family's ``init_state`` layout and
+return the final one; the row's first token continues the initial state.
 Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` log-decay or ``None``.
 """
 
@@ -15,16 +24,20 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
-from hla_jax.ops import sequence
+from hla_jax.ops import loglinear, sequence
 from hla_jax.ops.common import (
     cast_inputs,
     check_chunk_size,
     check_gate,
     check_impl,
     check_qkv,
+    check_segment_ids,
+    doc_starts,
     pallas_preferred,
     ratio_last_column,
+    reset_gate,
     scan_time,
     state_dtype,
 )
@@ -36,9 +49,12 @@ class Family(NamedTuple):
     ``step(state, q_t, k_t, v_t[, g_t], *, normalize, eps) -> (o_t, state)``;
     ``token_summaries(q, k, v[, g])``; ``combine(a, b)``; ``readout(prefix, q, *, normalize, eps)``;
     ``reference(q, k, v, g, *, normalize, eps)`` the quadratic oracle;
-    ``chunked(q, k, v, g, *, normalize, eps, chunk_size, seq_axis)`` and
-    ``pallas(q, k, v, g, *, normalize, eps, chunk_size)`` (or ``None``: no kernel) the fast forms.
-    The gate ``g`` is passed to ``step`` and ``token_summaries`` only when it is not ``None``.
+    ``chunked(q, k, v, g, *, normalize, eps, chunk_size, seq_axis, initial_state) -> (o, state)``
+    and ``pallas(q, k, v, g, *, normalize, eps, chunk_size, initial_state, return_final_state)
+    -> (o, state or None)`` (or ``None``: no kernel) the fast forms.  The gate ``g`` is passed
+    to ``step`` and ``token_summaries`` only when it is not ``None``.  ``decayed``: packed
+    documents reset through ``g``; otherwise ``reference`` and ``chunked`` also take the
+    document starts ``starts: [B,T]`` bool.
     """
     name: str
     init_state: Callable
@@ -49,6 +65,7 @@ class Family(NamedTuple):
     reference: Callable
     chunked: Callable
     pallas: Callable | None = None
+    decayed: bool = True
 
 
 def finish(o, normalize: bool, eps):
@@ -60,50 +77,124 @@ def _qkvg(q, k, v, g):
     return (q, k, v) if g is None else (q, k, v, g)
 
 
+def _restarting(step):
+    """``step`` from the empty (zero) state at a document's first token ``start_t: [B]``."""
+
+    def restarted(state, start_t, *x, **kw):
+        state = jax.tree.map(lambda s: jnp.where(start_t[:, None, None, None], 0, s), state)
+        return step(state, *x, **kw)
+
+    return restarted
+
+
+def _segmented(combine):
+    """``combine`` over ``(f, summary)`` pairs, ``f = 1`` for a segment holding a document start
+    (``f`` has the summaries' leading axes): ``(f_A, A) ⊕ (f_B, B) = (max(f_A, f_B),
+    (1 − f_B) A ⊕ B)`` drops what precedes B's starts.  Associative for a family without decay,
+    whose zero summary is a left identity of ``combine`` (hla3's ``paper`` mask)."""
+
+    def seg(a, b):
+        (fa, sa), (fb, sb) = a, b
+        cut = lambda x: (1 - fb).reshape(fb.shape + (1,) * (x.ndim - fb.ndim)) * x
+        return jnp.maximum(fa, fb), combine(jax.tree.map(cut, sa), sb)
+
+    return seg
+
+
 @functools.partial(jax.jit, static_argnames=("family", "normalize"))
-def recurrent(family: Family, q, k, v, g=None, *, normalize=False, eps=1e-6):
-    """Serial recurrence: ``lax.scan`` of ``family.step`` over time from ``family.init_state``."""
+def recurrent(family: Family, q, k, v, g=None, starts=None, initial_state=None, *,
+              normalize=False, eps=1e-6):
+    """Serial recurrence: ``lax.scan`` of ``family.step`` over time from ``initial_state`` (None:
+    ``family.init_state``), restarted at ``starts [B,T]``; returns ``(o, final_state)``."""
     B, _, H, d, dv = check_qkv(q, k, v, name=family.name)
-    state = family.init_state(B, H, d, dv, normalize=normalize, dtype=state_dtype(q, k, v, g))
-    out, _ = scan_time(family.step, state, *_qkvg(q, k, v, g), normalize=normalize, eps=eps)
-    return out
+    dt = state_dtype(q, k, v, g)
+    state = (family.init_state(B, H, d, dv, normalize=normalize, dtype=dt) if initial_state is None
+             else jax.tree.map(lambda x: x.astype(dt), initial_state))
+    if starts is None:
+        return scan_time(family.step, state, *_qkvg(q, k, v, g), normalize=normalize, eps=eps)
+    return scan_time(_restarting(family.step), state, starts, *_qkvg(q, k, v, g),
+                     normalize=normalize, eps=eps)
 
 
 @functools.partial(jax.jit, static_argnames=("family", "normalize"))
-def scan(family: Family, q, k, v, g=None, *, normalize=False, eps=1e-6):
-    """Token-level ``jax.lax.associative_scan(combine, token_summaries)``, then ``readout``.
+def scan(family: Family, q, k, v, g=None, starts=None, *, normalize=False, eps=1e-6):
+    """Token-level ``jax.lax.associative_scan(combine, token_summaries)``, then ``readout``;
+    segmented at ``starts [B,T]`` (``_segmented``).
 
     Materialises one summary per token: O(T·d²) memory by nature (O(T·d³·dv) for hla3's paper
     summary); the chunked form is the one that scales.
     """
     q, k, v, g = cast_inputs(q, k, v, g, normalize)
     summaries = family.token_summaries(*_qkvg(q, k, v, g))
-    prefix = jax.lax.associative_scan(family.combine, summaries, axis=1)
+    if starts is None:
+        prefix = jax.lax.associative_scan(family.combine, summaries, axis=1)
+    else:
+        flags = jnp.broadcast_to(starts[..., None], q.shape[:3]).astype(q.dtype)
+        prefix = jax.lax.associative_scan(_segmented(family.combine), (flags, summaries), axis=1)[1]
     return family.readout(prefix, q, normalize=normalize, eps=eps)
 
 
+def check_state(family: Family, initial_state, return_final_state, impl, seq_axis, dims,
+                normalize, *, name):
+    """``initial_state`` / ``return_final_state`` need impl in ``loglinear.STATE_IMPLS``
+    (recurrent, chunked, pallas, auto; the rule of every stateful entry) and no ``seq_axis``;
+    ``initial_state`` is a tuple with the fields and shapes of ``family.init_state(*dims)``
+    (``dims = (B, H, d, dv)``).  Returns it as the family's state type (or ``None``)."""
+    if initial_state is None and not return_final_state:
+        return None
+    if impl not in loglinear.STATE_IMPLS or seq_axis is not None:
+        raise ValueError(f"{name}: initial_state / return_final_state need impl in "
+                         f"{loglinear.STATE_IMPLS} and seq_axis=None, got impl={impl!r}, "
+                         f"seq_axis={seq_axis!r}")
+    if initial_state is None:
+        return None
+    want = jax.eval_shape(lambda: family.init_state(*dims, normalize=normalize))
+    got = (tuple(jnp.shape(x) for x in initial_state) if isinstance(initial_state, tuple)
+           else jnp.shape(initial_state))
+    if got != tuple(w.shape for w in want):
+        raise ValueError(f"{name}: initial_state must be a {type(want).__name__} (the layout of "
+                         f"init_state) with shapes "
+                         f"{dict(zip(want._fields, (w.shape for w in want)))}, got {got}")
+    return type(want)(*initial_state)
+
+
 def dispatch(family: Family, impl, impls, q, k, v, g=None, *, normalize=False, eps=1e-6,
-             chunk_size=64, seq_axis=None):
+             chunk_size=64, seq_axis=None, segment_ids=None, initial_state=None,
+             return_final_state=False):
     """A public entry's checks, then ``impl``: "reference" | "recurrent" | "scan" | "chunked" |
     "pallas" | "auto" ("pallas" when the family has it and ``common.pallas_preferred``, else
-    "chunked").  Bad ``impl``, ``seq_axis`` use, ``chunk_size``, ``q, k, v`` or ``g`` raise
-    ``ValueError`` naming the argument."""
+    "chunked").  ``segment_ids [B,T]``: packed documents (module docstring); ``initial_state``
+    / ``return_final_state`` (``check_state``): returns ``(o, final_state)`` when the latter is
+    set.  Bad ``impl``, ``seq_axis`` use, ``chunk_size``, ``q, k, v``, ``g``, ``segment_ids`` or
+    state arguments raise ``ValueError`` naming the argument."""
     name = family.name
     check_impl(impl, impls, name=name)
     sequence.check_impl(impl, seq_axis, name=name)
     chunk_size = check_chunk_size(chunk_size)
-    B, T, H, _, _ = check_qkv(q, k, v, name=name)
+    B, T, H, d, dv = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name)
+    segment_ids = check_segment_ids(segment_ids, B, T, name=name)
+    initial_state = check_state(family, initial_state, return_final_state, impl, seq_axis,
+                                (B, H, d, dv), normalize, name=name)
+    starts = None
+    if segment_ids is not None and family.decayed:
+        g = reset_gate(g, segment_ids, B, T, H, q.dtype if g is None else g.dtype, seq_axis)
+    elif segment_ids is not None:
+        starts = doc_starts(segment_ids, seq_axis)
+    by_doc = {} if family.decayed else {"starts": starts}
     if impl == "auto":
         fast = family.pallas is not None and pallas_preferred(seq_axis, chunk_size, q, k, v)
         impl = "pallas" if fast else "chunked"
     if impl == "reference":
-        return family.reference(q, k, v, g, normalize=normalize, eps=eps)
-    if impl == "recurrent":
-        return recurrent(family, q, k, v, g, normalize=normalize, eps=eps)
+        return family.reference(q, k, v, g, normalize=normalize, eps=eps, **by_doc)
     if impl == "scan":
-        return scan(family, q, k, v, g, normalize=normalize, eps=eps)
-    if impl == "pallas":
-        return family.pallas(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size)
-    return family.chunked(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size,
-                          seq_axis=seq_axis)
+        return scan(family, q, k, v, g, starts, normalize=normalize, eps=eps)
+    if impl == "recurrent":
+        out = recurrent(family, q, k, v, g, starts, initial_state, normalize=normalize, eps=eps)
+    elif impl == "pallas":
+        out = family.pallas(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size,
+                            initial_state=initial_state, return_final_state=return_final_state)
+    else:
+        out = family.chunked(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size,
+                             seq_axis=seq_axis, initial_state=initial_state, **by_doc)
+    return out if return_final_state else out[0]

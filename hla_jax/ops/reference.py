@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hla_jax.ops.common import HIGHEST as _HI
-from hla_jax.ops.common import clamp_signed, decay_matrix, state_dtype
+from hla_jax.ops.common import clamp_signed, decay_matrix, doc_positions, same_doc, state_dtype
 
 
 def _ein(spec, *xs):
@@ -70,12 +70,14 @@ def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6):
     return _out(_ratio(lambda X: _ein("bhtj,bhjv->bhtv", M, X), V, normalize, eps))
 
 
-def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6):
+def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, same=None):
     """Third order.  ``causal``:
     ``o_t = Σ_{u≤t} Σ_{i,j≤u} D(t,i)D(t,u)D(u,j) (q_t·k_i)(q_u·k_i)(q_u·k_j) v_j``,
     i.e. ``((W_g Wᵀ) ∘ Γ)(W_g V)``.  ``paper`` (no decay): the sum over index triples
     ``(i,u,j) ≤ t`` of ``(q_t·k_i)(k_i·q_u)(q_u·k_j) v_j`` whose largest index occurs at least
-    twice, computed by splitting on which indices equal the maximum ``m``.
+    twice, computed by splitting on which indices equal the maximum ``m``.  ``same: [B,T,T]``
+    bool (packed documents, ``common.same_doc``) zeroes the cross-document entries of ``QKᵀ``:
+    every triple with an index outside ``t``'s document then vanishes.
     """
     if mask not in ("causal", "paper"):
         raise ValueError(f"mask={mask!r} is not one of ('causal', 'paper')")
@@ -83,6 +85,8 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6):
         raise ValueError("hla3(mask='paper') is defined without decay: pass g=None")
     _, Q, K, V, Gam = _prepare(q, k, v, g)
     A = _ein("bhtd,bhsd->bhts", Q, K)
+    if same is not None:
+        A = A * same[:, None].astype(A.dtype)
     T = A.shape[-1]
     L = jnp.tril(jnp.ones((T, T), A.dtype))
     if mask == "causal":
@@ -119,21 +123,31 @@ def fenwick_levels(T: int) -> np.ndarray:
     return np.where(s <= t, lev, -1)
 
 
-def _level_weights(lam, T, dt):
-    """``Λ[b,h,t,s] = λ_t^{ℓ(t,s)}`` (0 above the diagonal) from ``lam: [B,T,H,L]``."""
+def _level_weights(lam, T, dt, segment_ids=None):
+    """``Λ[b,h,t,s] = λ_t^{ℓ(t,s)}`` (0 above the diagonal) from ``lam: [B,T,H,L]``.
+
+    With ``segment_ids [B,T]`` the levels count from each document's first token,
+    ``ℓ(t,s) = bit_length((t−t0) XOR (s−t0))``, and ``Λ = 0`` between documents.
+    """
     lev = fenwick_levels(T)
     if lam.shape[-1] <= lev.max():
         raise ValueError(f"lam has {lam.shape[-1]} levels; T={T} needs {lev.max() + 1}")
+    if segment_ids is not None:
+        p = doc_positions(segment_ids)
+        x = p[:, :, None] ^ p[:, None, :]
+        bits = sum((x >> i) > 0 for i in range(int(lev.max()) + 1))  # bit_length(x)
+        lev = jnp.where(same_doc(segment_ids) & jnp.asarray(lev >= 0), bits, -1)[:, None]
     lam = jnp.moveaxis(lam, 2, 1).astype(dt)  # [B,H,T,L]
-    idx = jnp.asarray(np.maximum(lev, 0))
-    W = jnp.take_along_axis(lam, jnp.broadcast_to(idx, lam.shape[:2] + idx.shape), axis=-1)
-    return jnp.where(jnp.asarray(lev >= 0), W, 0)
+    idx = jnp.maximum(lev, 0)
+    W = jnp.take_along_axis(lam, jnp.broadcast_to(idx, lam.shape[:2] + idx.shape[-2:]), axis=-1)
+    return jnp.where(lev >= 0, W, 0)
 
 
-def loglinear_mamba2(q, k, v, g, lam):
-    """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} D(t,s) (q_t·k_s) v_s``."""
+def loglinear_mamba2(q, k, v, g, lam, *, segment_ids=None):
+    """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} D(t,s) (q_t·k_s) v_s`` (``segment_ids``: within documents,
+    levels from each document's start)."""
     dt, Q, K, V, Gam = _prepare(q, k, v, g, lam)
-    Lam = _level_weights(lam, q.shape[1], dt)
+    Lam = _level_weights(lam, q.shape[1], dt, segment_ids)
     return _out(_ein("bhts,bhsv->bhtv", Lam * Gam * _ein("bhtd,bhsd->bhts", Q, K), V))
 
 
@@ -156,21 +170,25 @@ def _delta_scores(Q, K, G, Beta):
     return P
 
 
-def _gated_deltanet(q, k, v, g, beta, lam=None):
+def _gated_deltanet(q, k, v, g, beta, lam=None, segment_ids=None):
     dt, Q, K, V, _ = _prepare(q, k, v, g, beta)
     G = jnp.moveaxis(g, 2, 1).astype(dt)
     Beta = jnp.moveaxis(beta, 2, 1).astype(dt)
     P = jax.vmap(jax.vmap(_delta_scores))(Q, K, G, Beta)  # [B,H,T,T]
     if lam is not None:
-        P = P * _level_weights(lam, q.shape[1], dt)
+        P = P * _level_weights(lam, q.shape[1], dt, segment_ids)
+    elif segment_ids is not None:
+        P = jnp.where(same_doc(segment_ids)[:, None], P, 0)
     return _out(_ein("bhts,bhsv->bhtv", P * Beta[:, :, None, :], V))
 
 
-def gated_deltanet(q, k, v, g, beta):
-    """``o_t = Σ_{s≤t} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_s``, ``A_r = a_r (I − β_r k_r k_rᵀ)``."""
-    return _gated_deltanet(q, k, v, g, beta)
+def gated_deltanet(q, k, v, g, beta, *, segment_ids=None):
+    """``o_t = Σ_{s≤t} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_s``, ``A_r = a_r (I − β_r k_r k_rᵀ)``
+    (``segment_ids``: within documents)."""
+    return _gated_deltanet(q, k, v, g, beta, segment_ids=segment_ids)
 
 
-def loglinear_gated_deltanet(q, k, v, g, beta, lam):
-    """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_s``."""
-    return _gated_deltanet(q, k, v, g, beta, lam)
+def loglinear_gated_deltanet(q, k, v, g, beta, lam, *, segment_ids=None):
+    """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_s`` (``segment_ids`` as for
+    ``loglinear_mamba2``)."""
+    return _gated_deltanet(q, k, v, g, beta, lam, segment_ids)
