@@ -8,9 +8,12 @@ Arguments (after the colon, comma-separated key=value):
   pattern  hybrid stack, e.g. ``pattern=hla2+hla2+softmax`` (layer i uses entry i mod 3);
            overrides ``mixer``
 Any field can then be overridden, e.g. ``--config.train.num_steps=1000 --config.mesh.fsdp=-1``.
-Data defaults to the embedded corpus (the bytes of this Python's standard library sources); a
-real corpus: ``--config.data.kind=tokens --config.data.path=corpus.npy`` (see
-``python -m hla_jax.data.prepare``). Field meanings: ``hla_jax/train/config.py``.
+Data defaults to the embedded corpus (the bytes of this Python's standard library sources),
+packed: each source file is one document (``data.pack=True``: no attention or state across files,
+no loss on a file's first byte). A real corpus: ``--config.data.kind=tokens
+--config.data.path=corpus.npy`` (see ``python -m hla_jax.data.prepare``) with
+``--config.data.separator=ID`` (the token that ends each document) or ``--config.data.pack=False``.
+Field meanings: ``hla_jax/train/config.py``.
 
 Sizes (params with a 256-byte vocabulary):
   tiny   d=128, 2 layers, T=256, batch 16, 400 steps: 2-4 minutes on a 2-core CPU
@@ -38,7 +41,7 @@ def get_config(arg: str | None = None):
     c = base_config()
     c.model.update(d_model=d, n_layers=layers, n_heads=heads, dtype=dtype, max_seq_len=max(T, 2048),
                    mixer_pattern=mixer_pattern(args["pattern"] or args["mixer"]))
-    c.data.update(kind="text", seq_len=T, batch_size=batch)
+    c.data.update(kind="text", seq_len=T, batch_size=batch, pack=True)
     c.optim.update(learning_rate=lr, warmup_steps=warmup)
     c.train.update(num_steps=steps)
     if args["size"] != "tiny":

@@ -11,7 +11,8 @@ from hla_jax.data.prepare import write_tokens
 def data_cfg(**over):
     c = ml_collections.ConfigDict(dict(
         kind="text", path="", pattern="*.txt", seq_len=32, batch_size=4, seed=0,
-        eval_fraction=0.1, mqar=dict(num_kv_pairs=4, power_a=0.01), niah=dict(n_digits=5)))
+        eval_fraction=0.1, pack=False, separator=-1, mqar=dict(num_kv_pairs=4, power_a=0.01),
+        niah=dict(n_digits=5)))
     c.update(over)
     return c
 
@@ -31,6 +32,10 @@ def test_stdlib_corpus_is_sorted_python_sources():
     assert all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
     tokens = data.stdlib_tokens()
     assert tokens.dtype == np.uint8 and tokens.size > 1_000_000
+    same, starts = data.stdlib_documents()  # one document per file
+    assert same is tokens and len(starts) == len(files) and starts[0] == 0
+    assert np.all(np.diff(starts) >= 0) and starts[-1] < tokens.size
+    assert starts[-1] == tokens.size - files[-1].stat().st_size
 
 
 def test_text_files_and_missing_paths(tmp_path):

@@ -160,6 +160,42 @@ def test_hybrid_pattern_and_generation(rng):
     np.testing.assert_array_equal(np.asarray(greedy), np.asarray(out[:, 5:]))
 
 
+@pytest.mark.parametrize("name", MIXERS)
+def test_ragged_generation_equals_each_prompt_alone(name, rng):
+    """Prompts of lengths 9, 3, 14 in one batch (``prompt_lengths``) continue greedily exactly as
+    each prompt alone; the first new token's logits match too (float32)."""
+    cfg = tiny(name, n_layers=2, init_std=0.3, hla_conv=True)
+    model = LM(cfg, rngs=nnx.Rngs(2))
+    lengths = [9, 3, 14]
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(3, 14)), jnp.int32)
+    out = generate(model, prompt, 5, temperature=0.0, prompt_lengths=lengths)
+    assert out.shape == (3, 19)
+    for b, n in enumerate(lengths):
+        alone = generate(model, prompt[b:b + 1, :n], 5, temperature=0.0)
+        np.testing.assert_array_equal(np.asarray(out[b, :n + 5]), np.asarray(alone[0]))
+        assert not np.any(np.asarray(out[b, n + 5:]))
+
+
+@pytest.mark.parametrize("name", [m for m in MIXERS if m != "softmax"])
+def test_prefill_has_no_serial_scan_over_the_prompt(name):
+    """The prefill's final states come from the chunked forms: its jaxpr holds no loop over
+    the prompt's T tokens (only over its T / chunk_size chunks)."""
+    cfg = tiny(name, n_layers=1, hla_conv=True)
+    model = LM(cfg, rngs=nnx.Rngs(0))
+    T = 64
+    tok = jnp.zeros((1, T), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda t: model.prefill(t, model.init_cache(1, T)))(tok)
+
+    def lengths(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "scan":
+                yield eqn.params["length"]
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from lengths(sub)
+
+    assert T not in set(lengths(jaxpr.jaxpr))
+
+
 def test_sample_token():
     logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 4.0, -1.0]])
     np.testing.assert_array_equal(sample_token(logits, jax.random.key(0), 0.0, 0), [1, 0])

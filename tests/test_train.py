@@ -200,11 +200,18 @@ def test_data_fsdp_mesh_matches_one_device(tmp_path):
 
 def test_sequence_mesh_matches_one_device(tmp_path):
     """data=2 × sequence=4: T=64 split in shards of 16 (one chunk) for HLA2 and log-linear
-    Mamba-2 (whose Fenwick levels cross the shard boundaries) = one device, in float32."""
+    Mamba-2 (whose Fenwick levels cross the shard boundaries) = one device, in float32, on
+    packed rows of short documents (5-40 bytes: segment_ids cross the shards too)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(200):
+        (docs / f"{i:03d}.txt").write_bytes(rng.integers(32, 127, rng.integers(5, 41)).astype(np.uint8))
     out = losses_on_meshes(
         tmp_path, {"one": dict(data=1, sequence=1), "sharded": dict(data=2, sequence=4)},
         dict(mixer="hla2+loglinear_mamba2", n_layers=2, num_steps=4),
-        {"model.chunk_size": 16, "model.num_levels": 8})
+        {"model.chunk_size": 16, "model.num_levels": 8, "data.path": str(docs),
+         "data.eval_fraction": 0.1})
     assert len(out["one"]) == 4 and out["one"][3] != out["one"][0]
     np.testing.assert_allclose(out["sharded"], out["one"], rtol=1e-5)
 
@@ -249,7 +256,8 @@ def test_batch_and_time_must_divide_over_the_mesh():
 def first_bad_step(path, seq_len=64, batch=4, vocab=256):
     """The first 1-based step whose batch holds an out-of-vocabulary id."""
     c = small()
-    c.data.update(kind="tokens", path=str(path), seq_len=seq_len, batch_size=batch, eval_fraction=0.1)
+    c.data.update(kind="tokens", path=str(path), seq_len=seq_len, batch_size=batch, eval_fraction=0.1,
+                  pack=False)
     it = data.DataIterator(data.make_sources(c.data, vocab)[0], batch, c.data.seed)
     return next(s for s in range(1, 1000) if np.any(next(it)["targets"] >= vocab))
 
@@ -265,7 +273,8 @@ def test_nan_stops_cli_run_and_keeps_last_good_checkpoint(tmp_path):
             break
     cmd = [sys.executable, "-m", "hla_jax.main", "--config=configs/lm.py:mixer=softmax,size=tiny",
            f"--workdir={tmp_path / 'run'}", "--config.model.d_model=32",
-           "--config.data.kind=tokens", f"--config.data.path={path}", "--config.data.seq_len=64",
+           "--config.data.kind=tokens", f"--config.data.path={path}", "--config.data.pack=False",
+           "--config.data.seq_len=64",
            "--config.data.batch_size=4", "--config.data.eval_fraction=0.1",
            "--config.train.log_every=1", "--config.train.checkpoint_every=1",
            "--config.train.eval_steps=0", "--config.train.progress_bar=False",

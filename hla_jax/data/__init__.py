@@ -1,6 +1,15 @@
-"""Data: byte tokenizer, text corpora and token memmaps, synthetic MQAR / NIAH, resumable batches."""
+"""Data: byte tokenizer, text corpora and token memmaps, synthetic MQAR / NIAH, resumable (and
+packed) batches."""
 
-from hla_jax.data.corpus import load_tokens, read_bytes, stdlib_files, stdlib_tokens, text_files
+from hla_jax.data.corpus import (
+    load_tokens,
+    read_bytes,
+    read_documents,
+    stdlib_documents,
+    stdlib_files,
+    stdlib_tokens,
+    text_files,
+)
 from hla_jax.data.pipeline import (
                                    EVAL,
                                    KINDS,
@@ -16,6 +25,6 @@ from hla_jax.data.tokenizer import ByteTokenizer
 
 __all__ = [
     "ByteTokenizer", "DataIterator", "EVAL", "KINDS", "MQAR", "NIAH", "TRAIN", "TextSource",
-    "load_tokens", "make_batch", "make_sources", "read_bytes", "rows_for_process",
-    "stdlib_files", "stdlib_tokens", "text_files",
+    "load_tokens", "make_batch", "make_sources", "read_bytes", "read_documents",
+    "rows_for_process", "stdlib_documents", "stdlib_files", "stdlib_tokens", "text_files",
 ]

@@ -1,5 +1,6 @@
 """Text corpora as token arrays: the embedded default corpus, text files or folders, and
 pre-tokenized memmaps (``.npy``, uint16 or uint32, written by ``python -m hla_jax.data.prepare``).
+Text corpora also give each file's first offset: one file is one document (``data.pack``).
 """
 
 import functools
@@ -44,15 +45,28 @@ def text_files(paths, pattern: str = "*.txt") -> list[pathlib.Path]:
     return files
 
 
+def read_documents(files) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens, starts)``: the concatenated bytes of ``files`` as byte tokens, uint8 ``[n]``, and
+    the offset of each file's first byte in them, int64 ``[len(files)]`` (one file, one document)."""
+    parts = [pathlib.Path(f).read_bytes() for f in files]
+    starts = np.cumsum([0] + [len(b) for b in parts[:-1]], dtype=np.int64)
+    return np.frombuffer(b"".join(parts), np.uint8), starts
+
+
 def read_bytes(files) -> np.ndarray:
     """Concatenated bytes of ``files`` as byte tokens, uint8 ``[n]``."""
-    return np.frombuffer(b"".join(pathlib.Path(f).read_bytes() for f in files), np.uint8)
+    return read_documents(files)[0]
 
 
 @functools.lru_cache(maxsize=1)
+def stdlib_documents() -> tuple[np.ndarray, np.ndarray]:
+    """``read_documents`` of the embedded default corpus (cached per process; about 30 MB)."""
+    return read_documents(stdlib_files())
+
+
 def stdlib_tokens() -> np.ndarray:
-    """Byte tokens of the embedded default corpus (cached per process; about 30 MB)."""
-    return read_bytes(stdlib_files())
+    """Byte tokens of the embedded default corpus."""
+    return stdlib_documents()[0]
 
 
 def token_dtype(vocab_size: int):

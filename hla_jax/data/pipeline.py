@@ -3,7 +3,17 @@
 Row ``r`` of global batch ``step`` is drawn from ``np.random.default_rng([seed, split, step, r])``,
 so a run resumes from one saved integer (the iterator position) and every host builds only its
 own rows (``rows_for_process``) while all hosts agree on the global batch.
-Batches are dicts of numpy arrays ``inputs, targets`` int32 and ``mask`` float32, ``[accum,b,T]``.
+Batches are dicts of numpy arrays ``inputs, targets`` int32 and ``mask`` float32, ``[accum,b,T]``;
+packed text batches also carry ``segment_ids`` int32 ``[accum,b,T]``.
+
+Packing (``data.pack``, text and token corpora): a row is a random window of ``T + 1``
+consecutive tokens of the corpus (its documents concatenated, so no padding), each token labelled
+with its document. Documents are the files of a text corpus, or the runs of a token memmap that
+each end with ``data.separator`` (the separator belongs to the document it ends). In a row,
+``segment_ids`` number the input tokens' documents from 0 (a document cut by the row's start is
+just a document that starts at position 0) and ``mask`` is 0 where a target lies in another
+document than its input token, so the first token of a document is never predicted from the
+previous one.
 """
 
 import numpy as np
@@ -13,21 +23,68 @@ from hla_jax.data.synthetic import MQAR, NIAH
 
 TRAIN, EVAL = 0, 1
 KINDS = ("text", "tokens", "mqar", "niah")
+FIELDS = ("inputs", "targets", "mask", "segment_ids")  # an example's arrays, in order
 
 
 class TextSource:
-    """Random windows of ``seq_len + 1`` tokens from a 1-D token array (array or memmap)."""
+    """Random windows of ``seq_len + 1`` tokens from a 1-D token array (array or memmap).
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "corpus"):
+    Packed when the documents are known, by ``doc_starts`` (sorted offsets of their first
+    tokens, e.g. file starts) or by ``separator`` (the id that ends each document): examples then
+    carry ``segment_ids`` and mask targets across document starts (module docstring).
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "corpus", *,
+                 doc_starts=None, separator: int | None = None):
         if tokens.size < seq_len + 2:
             raise ValueError(f"{name} has {tokens.size} tokens, fewer than data.seq_len + 2 = "
                              f"{seq_len + 2}")
-        self.tokens, self.seq_len = tokens, seq_len
+        if doc_starts is not None and separator is not None:
+            raise ValueError("TextSource: give doc_starts or separator, not both")
+        self.tokens, self.seq_len, self.separator = tokens, seq_len, separator
+        self.doc_starts = None if doc_starts is None else np.asarray(doc_starts, np.int64)
+        self.packed = doc_starts is not None or separator is not None
 
     def example(self, rng: np.random.Generator):
-        start = int(rng.integers(0, self.tokens.size - self.seq_len))
+        return self.window(int(rng.integers(0, self.tokens.size - self.seq_len)))
+
+    def window(self, start: int):
+        """``(inputs, targets, mask)`` ``[T]`` of the window at token ``start``, and
+        ``segment_ids`` when packed."""
         window = np.asarray(self.tokens[start:start + self.seq_len + 1], np.int64)
-        return window[:-1], window[1:], np.ones(self.seq_len, bool)
+        if not self.packed:
+            return window[:-1], window[1:], np.ones(self.seq_len, bool)
+        doc = self.documents(start, window)
+        return window[:-1], window[1:], doc[1:] == doc[:-1], doc[:-1]
+
+    def documents(self, start: int, window: np.ndarray) -> np.ndarray:
+        """``[T+1]`` document number of each token of ``window`` (taken at ``start``), from 0."""
+        if self.separator is None:
+            doc = np.searchsorted(self.doc_starts, np.arange(start, start + window.size), "right")
+        else:
+            doc = np.concatenate([[0], np.cumsum(window[:-1] == self.separator)])
+        return doc - doc[0]
+
+
+def _check_packing(data, vocab_size: int) -> tuple[bool, int]:
+    """``(pack, separator)`` of ``config.data`` (configs saved before these fields existed read
+    as unpacked); ValueError naming the field on a setting that cannot apply."""
+    pack, separator = bool(data.get("pack", False)), int(data.get("separator", -1))
+    if pack and data.kind not in ("text", "tokens"):
+        raise ValueError(f"data.pack=True packs the documents of a corpus (data.kind text or "
+                         f"tokens); data.kind={data.kind!r} has none: set data.pack=False")
+    if separator != -1 and not (pack and data.kind == "tokens"):
+        raise ValueError(f"data.separator={separator} marks document ends for data.pack=True with "
+                         f"data.kind=tokens only (text files are one document each); got "
+                         f"data.pack={pack}, data.kind={data.kind!r}")
+    if pack and data.kind == "tokens":
+        if separator == -1:
+            raise ValueError("data.pack=True with data.kind=tokens needs data.separator (the token "
+                             "id that ends each document) or data.pack=False")
+        if not 0 <= separator < vocab_size:
+            raise ValueError(f"data.separator must be a token id in [0, model.vocab_size="
+                             f"{vocab_size}), or -1 (none), got {separator}")
+    return pack, separator
 
 
 def make_sources(data, vocab_size: int):
@@ -36,24 +93,32 @@ def make_sources(data, vocab_size: int):
         raise ValueError(f"data.kind must be one of {KINDS}, got {data.kind!r}")
     if data.seq_len < 1:
         raise ValueError(f"data.seq_len must be positive, got {data.seq_len}")
+    pack, separator = _check_packing(data, vocab_size)
     if data.kind == "mqar":
         mqar = data.mqar
         return (MQAR(data.seq_len, vocab_size, mqar.num_kv_pairs, mqar.power_a),) * 2
     if data.kind == "niah":
         return (NIAH(data.seq_len, data.niah.n_digits),) * 2
+    starts = None
     if data.kind == "tokens":
         tokens = corpus.load_tokens(data.path)
     elif data.path:
-        tokens = corpus.read_bytes(corpus.text_files(data.path, data.pattern))
+        tokens, starts = corpus.read_documents(corpus.text_files(data.path, data.pattern))
     else:
-        tokens = corpus.stdlib_tokens()
+        tokens, starts = corpus.stdlib_documents()
     if vocab_size < (256 if data.kind == "text" else 0):
         raise ValueError(f"byte-level text needs model.vocab_size >= 256, got {vocab_size}")
     if not 0 < data.eval_fraction < 1:
         raise ValueError(f"data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
     split = int(tokens.size * (1 - data.eval_fraction))
-    return (TextSource(tokens[:split], data.seq_len, "the training split"),
-            TextSource(tokens[split:], data.seq_len, "the eval split"))
+    train_docs = eval_docs = {}
+    if pack and starts is not None:  # file starts, those of the eval split relative to it
+        train_docs = {"doc_starts": starts[starts < split]}
+        eval_docs = {"doc_starts": starts[starts >= split] - split}
+    elif pack:
+        train_docs = eval_docs = {"separator": separator}
+    return (TextSource(tokens[:split], data.seq_len, "the training split", **train_docs),
+            TextSource(tokens[split:], data.seq_len, "the eval split", **eval_docs))
 
 
 def rows_for_process(batch_size: int, accum: int = 1, process_index: int = 0,
@@ -69,13 +134,14 @@ def rows_for_process(batch_size: int, accum: int = 1, process_index: int = 0,
 
 
 def make_batch(source, seed: int, split: int, step: int, rows) -> dict:
-    """Rows ``rows`` (any int array shape ``S``) of global batch ``step``: arrays ``[*S, T]``."""
+    """Rows ``rows`` (any int array shape ``S``) of global batch ``step``: arrays ``[*S, T]``
+    named by ``FIELDS`` (``segment_ids`` from packed sources only)."""
     rows = np.asarray(rows)
     examples = [source.example(np.random.default_rng([seed, split, step, int(r)]))
                 for r in rows.reshape(-1)]
-    inputs, targets, mask = (np.stack(x).reshape(rows.shape + (-1,)) for x in zip(*examples))
-    return {"inputs": inputs.astype(np.int32), "targets": targets.astype(np.int32),
-            "mask": mask.astype(np.float32)}
+    stacked = (np.stack(x).reshape(rows.shape + (-1,)) for x in zip(*examples))
+    return {name: x.astype(np.float32 if name == "mask" else np.int32)
+            for name, x in zip(FIELDS, stacked)}
 
 
 class DataIterator:

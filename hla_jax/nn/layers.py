@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hla_jax.ops import common
+
 
 def param(rngs: nnx.Rngs, init, shape, names) -> nnx.Param:
     """A float32 ``nnx.Param`` whose metadata carries the logical axis ``names``."""
@@ -80,7 +82,10 @@ class SwiGLU(nnx.Module):
 class ShortConv(nnx.Module):
     """Causal depthwise convolution over time, ``y_t = Σ_j w_j ∘ x_{t-K+1+j}``, then SiLU.
 
-    ``x: [B,T,H,c]``; kernel ``[K,H,c]``.  The decode state is the last ``K-1`` inputs
+    ``x: [B,T,H,c]``; kernel ``[K,H,c]``.  With ``segment_ids: [B,T]`` (packed documents) a tap
+    whose source ``t-K+1+j`` lies in an earlier document than ``t`` contributes nothing, i.e. it
+    is kept only where ``p_t ≥ K-1-j`` (``p_t``: position of ``t`` in its document), so each
+    document is convolved as if alone.  The decode state is the last ``K-1`` inputs
     ``[B,K-1,H,c]`` (zeros before the first token).
     """
 
@@ -89,23 +94,35 @@ class ShortConv(nnx.Module):
         self.kernel = param(rngs, nnx.initializers.normal(1.0 / math.sqrt(size)),
                             (size, heads, width), ("conv", "heads", "kv"))
 
-    def _window(self, xs):
-        """``Σ_j w_j xs[:, j : j + T']`` for padded ``xs: [B, T'+K-1, H, c]``."""
+    def _window(self, xs, doc_pos=None):
+        """``Σ_j w_j xs[:, j : j + T']`` for padded ``xs: [B, T'+K-1, H, c]``; with ``doc_pos:
+        [B,T']`` (document positions of the outputs) only the taps inside each document."""
         w = self.kernel[...].astype(xs.dtype)
-        T = xs.shape[1] - self.size + 1
-        y = sum(w[j] * xs[:, j:j + T] for j in range(self.size))
-        return jax.nn.silu(y)
+        K = self.size
+        T = xs.shape[1] - K + 1
+        taps = [w[j] * xs[:, j:j + T] for j in range(K)]
+        if doc_pos is not None:
+            taps = [jnp.where((doc_pos >= K - 1 - j)[..., None, None], tap, 0)
+                    for j, tap in enumerate(taps)]
+        return jax.nn.silu(sum(taps))
 
-    def __call__(self, x):
-        return self._window(jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0), (0, 0))))
+    def __call__(self, x, segment_ids=None):
+        doc_pos = None if segment_ids is None else common.doc_positions(segment_ids)
+        return self._window(jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0), (0, 0))), doc_pos)
 
     def init_state(self, batch, heads, width, dtype):
         return jnp.zeros((batch, self.size - 1, heads, width), dtype)
 
-    def prefill_state(self, x):
-        """The decode state after the sequence ``x: [B,T,H,c]``: its last ``K-1`` inputs."""
-        xs = jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0), (0, 0)))
-        return xs[:, xs.shape[1] - (self.size - 1):]
+    def prefill_state(self, x, segment_ids=None):
+        """The decode state after the sequence ``x: [B,T,H,c]``: its last ``K-1`` inputs, those
+        before the last document's start zeroed (``segment_ids: [B,T]``)."""
+        K = self.size
+        xs = jnp.pad(x, ((0, 0), (K - 1, 0), (0, 0), (0, 0)))[:, x.shape[1]:]
+        if segment_ids is None:
+            return xs
+        last = common.doc_positions(segment_ids)[:, -1:]  # position of the last token in its doc
+        age = jnp.arange(K - 2, -1, -1)  # slot j holds the input K-2-j tokens before the last
+        return jnp.where((age <= last)[..., None, None], xs, 0)
 
     def step(self, state, x_t):
         """One token ``x_t: [B,H,c]`` -> ``(y_t, new_state)``."""

@@ -1,8 +1,11 @@
 """Decoder-only language model: embedding, pre-norm blocks (RMSNorm, mixer, SwiGLU), final norm,
-tied or separate head.  ``LM(cfg, rngs=nnx.Rngs(0))(tokens [B,T]) -> logits [B,T,V] float32``.
+tied or separate head.  ``LM(cfg, rngs=nnx.Rngs(0))(tokens [B,T]) -> logits [B,T,V] float32``;
+``segment_ids [B,T]`` (packed documents) make every layer treat each document as if alone.
 
 Decoding API (used by :func:`hla_jax.nn.generate`): ``init_cache(batch, max_len)``,
-``prefill(tokens, cache) -> (logits, cache)`` and ``step(token [B], cache, pos) -> (logits [B,V], cache)``.
+``prefill(tokens, cache, segment_ids=None) -> (logits, cache)`` and
+``step(token [B], cache, pos) -> (logits [B,V], cache)`` (``pos``: the cache slot, shared by the
+rows; each mixer's state knows its row's position in its document).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from flax import nnx
 from hla_jax.nn.config import ModelConfig
 from hla_jax.nn.layers import Dense, RMSNorm, SwiGLU, param
 from hla_jax.nn.mixers import MIXER_CLASSES
+from hla_jax.ops import common
 
 
 class Block(nnx.Module):
@@ -29,12 +33,12 @@ class Block(nnx.Module):
         self.norm2 = RMSNorm((cfg.d_model,), ("embed",), rngs=rngs, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, rngs=rngs, std=cfg.init_std, out_std=out_std)
 
-    def __call__(self, x):
-        x = x + self.mixer(self.norm1(x))
+    def __call__(self, x, segment_ids=None):
+        x = x + self.mixer(self.norm1(x), segment_ids)
         return x + self.mlp(self.norm2(x))
 
-    def prefill(self, x, cache):
-        y, cache = self.mixer.prefill(self.norm1(x), cache)
+    def prefill(self, x, cache, segment_ids=None):
+        y, cache = self.mixer.prefill(self.norm1(x), cache, segment_ids)
         x = x + y
         return x + self.mlp(self.norm2(x)), cache
 
@@ -66,13 +70,16 @@ class LM(nnx.Module):
         w = self.embed[...].T if self.head is None else self.head.kernel[...]
         return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens, positions=None):
+    def __call__(self, tokens, positions=None, segment_ids=None):
         """``tokens: [B,T] int -> logits [B,T,vocab] float32``; with ``positions: [B,P] int``
         only the logits there, ``[B,P,vocab]`` (a loss read at a few positions skips the rest
-        of the vocabulary projection)."""
+        of the vocabulary projection).  ``segment_ids: [B,T] int``: packed documents
+        (consecutive equal ids form one document, SPEC §8); each document's logits are those
+        it would get alone."""
+        segment_ids = common.check_segment_ids(segment_ids, *tokens.shape, name="LM")
         x = self._embed(tokens)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, segment_ids)
         if positions is not None:
             x = jnp.take_along_axis(x, positions[..., None], axis=1)
         return self._logits(x)
@@ -82,12 +89,15 @@ class LM(nnx.Module):
         dtype = self.cfg.compute_dtype
         return [b.mixer.init_cache(batch, max_len, dtype) for b in self.blocks]
 
-    def prefill(self, tokens, cache):
-        """Full forward over the prompt ``[B,T]``; returns its logits and the decode state after it."""
+    def prefill(self, tokens, cache, segment_ids=None):
+        """One parallel forward over the prompt ``[B,T]``: its logits and the decode state after
+        it (every mixer's final state from the same pass).  ``segment_ids [B,T]``: the state of
+        each row's last document (left-padded prompts: padding in its own segment)."""
+        segment_ids = common.check_segment_ids(segment_ids, *tokens.shape, name="LM.prefill")
         x = self._embed(tokens)
         new = []
         for block, c in zip(self.blocks, cache):
-            x, c = block.prefill(x, c)
+            x, c = block.prefill(x, c, segment_ids)
             new.append(c)
         return self._logits(x), new
 

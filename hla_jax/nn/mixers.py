@@ -17,6 +17,10 @@ then gate, Gated DeltaNet's order; Mamba-2 gates before its norm, a difference w
 one output block).  Decoding: ``init_state``/``step`` of ``ops.hla2_family``, ``ahla_family``,
 ``hla3_family``, ``linear_family`` and, for the four SSM mixers, ``loglinear_family`` (whose step
 with ``beta=None, lam=None`` is the Mamba-2 recurrence).
+
+Every mixer is called as ``mixer(x [B,T,D], segment_ids=None)``; with ``segment_ids [B,T]``
+(packed documents) each document is mixed exactly as if it were alone (``attention``,
+``recurrent``).
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ class FeatureMapMixer(RecurrentMixer):
     def _normalize(self) -> dict:
         return {"normalize": self.cfg.hla_normalize} if self.hla else {}
 
-    def op(self, f, seq_axis=""):
-        return apply_op(self.entry, f, self.cfg, seq_axis, **self._normalize())
+    def op(self, f, seq_axis="", segment_ids=None, **kw):
+        return apply_op(self.entry, f, self.cfg, seq_axis, segment_ids, **self._normalize(), **kw)
 
     def op_init(self, batch):
         H, d = self.cfg.n_heads, self.cfg.head_dim
@@ -140,10 +144,10 @@ class SSMMixer(RecurrentMixer):
     def readout(self, o, v):
         return o if self.skip is None else o + self.skip[...][:, None] * v.astype(o.dtype)
 
-    def op(self, f, seq_axis=""):
+    def op(self, f, seq_axis="", segment_ids=None, **kw):
         if self.lam is not None:
             level_count_ok(self.cfg, f["q"].shape[1])
-        return apply_op(self.entry, f, self.cfg, seq_axis)
+        return apply_op(self.entry, f, self.cfg, seq_axis, segment_ids, **kw)
 
     def init_cache(self, batch, max_len, dtype):
         if self.lam is not None:
@@ -156,8 +160,9 @@ class SSMMixer(RecurrentMixer):
                                                cfg.num_levels if self.levels else None)
 
     def op_step(self, state, f, pos):
-        return ops.loglinear_family.step(state, pos, f["q"], f["k"], f["v"], f["g"],
-                                         f.get("beta"), f.get("lam"))
+        del pos  # the log-linear state carries each row's position (``LevelState.t``)
+        return ops.loglinear_family.step(state, f["q"], f["k"], f["v"], f["g"], f.get("beta"),
+                                         f.get("lam"))
 
 
 class Mamba2(SSMMixer):

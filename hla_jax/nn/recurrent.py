@@ -7,10 +7,15 @@
                                                          (ops.sequence.over_time if cfg.seq_axis)
     y       = W_o (RMSNorm_h(o) ∘ act(x W_z))            OutputGate
 
+Packed documents: ``segment_ids: [B,T]`` go to the conv (no tap across a document start) and to
+the op (SPEC §8: each document as if alone); everything else acts per token.
+
 Decoding keeps ``{"conv": last K-1 conv inputs, "state": the family's recurrent state}``.
-Prefill computes its outputs with the chunked op and its final state with the family's serial
-recurrence (a ``lax.scan`` of the family ``step`` over the prompt: O(T) sequential steps, O(1)
-memory per layer, and exactly the state decoding continues from).
+Prefill is one parallel pass: the op's chunked form (or kernel) returns its outputs and its final
+state together (``return_final_state``, the layout of the family's ``init_state``/``step``), so
+decoding continues from exactly that state with no serial pass over the prompt.  With
+``segment_ids`` (e.g. left-padded prompts of different lengths) the state is that of each row's
+last document.
 """
 
 from __future__ import annotations
@@ -78,8 +83,8 @@ class RecurrentMixer(nnx.Module):
     """Projections, optional short conv, op, output norm/gate; subclasses define the family.
 
     Subclasses set ``uses_conv`` and implement ``features(x, q, k, v) -> dict`` (the op's inputs,
-    shapes ``[B,T,H,...]`` or, when decoding, ``[B,H,...]``), ``op(f, seq_axis)`` (through
-    ``apply_op``), ``op_init(batch)`` and ``op_step(state, f_t, pos) -> (o_t, state)``;
+    shapes ``[B,T,H,...]`` or, when decoding, ``[B,H,...]``), ``op(f, seq_axis, segment_ids)``
+    (through ``apply_op``), ``op_init(batch)`` and ``op_step(state, f_t, pos) -> (o_t, state)``;
     ``readout(o, v)`` may add a skip term.  The forward pass shards the op over
     ``cfg.seq_axis``; prefill runs it unsharded.
     """
@@ -106,10 +111,11 @@ class RecurrentMixer(nnx.Module):
         """``x [..., D] -> [..., H, 3d]`` (q, k, v concatenated, before the conv)."""
         return jnp.concatenate([self.q(x), self.k(x), self.v(x)], axis=-1)
 
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None):
+        """``x: [B,T,D] -> [B,T,D]``; ``segment_ids: [B,T]`` int for packed documents."""
         qkv = self._project(x)
-        q, k, v = self._split(qkv if self.conv is None else self.conv(qkv))
-        o = self.op(self.features(x, q, k, v), self.cfg.seq_axis)
+        q, k, v = self._split(qkv if self.conv is None else self.conv(qkv, segment_ids))
+        o = self.op(self.features(x, q, k, v), self.cfg.seq_axis, segment_ids)
         return self.output(self.readout(o, v), x)
 
     def init_cache(self, batch, max_len, dtype):
@@ -118,25 +124,20 @@ class RecurrentMixer(nnx.Module):
                 self.conv.init_state(batch, self.cfg.n_heads, 3 * self.cfg.head_dim, dtype))
         return {"conv": conv, "state": self.op_init(batch)}
 
-    def prefill(self, x, cache):
-        """Chunked outputs over the prompt (from position 0, empty ``cache``); the final state by
-        the serial recurrence of ``op_step`` (see the module docstring)."""
+    def prefill(self, x, cache, segment_ids=None):
+        """Outputs over the prompt ``x: [B,T,D]`` (from position 0, empty ``cache``) and the
+        decode state after it, both from one call of the op with ``return_final_state``;
+        ``segment_ids: [B,T]``: the state (and conv window) of each row's last document."""
         qkv = self._project(x)
         conv = None
         if self.conv is not None:
-            conv = self.conv.prefill_state(qkv).astype(cache["conv"].dtype)
-            qkv = self.conv(qkv)
+            conv = self.conv.prefill_state(qkv, segment_ids).astype(cache["conv"].dtype)
+            qkv = self.conv(qkv, segment_ids)
         q, k, v = self._split(qkv)
         f = self.features(x, q, k, v)
-
-        def body(carry, f_t):
-            state, t = carry
-            return (self.op_step(state, f_t, t)[1], t + 1), None
-
-        xs = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), f)
-        (state, _), _ = jax.lax.scan(body, (cache["state"], jnp.zeros((), jnp.int32)), xs)
-        y = self.output(self.readout(self.op(f), v), x)
-        return y, {"conv": conv, "state": state}
+        o, state = self.op(f, "", segment_ids, return_final_state=True,
+                           impl=prefill_impl(self.cfg.impl))
+        return self.output(self.readout(o, v), x), {"conv": conv, "state": state}
 
     def step(self, x_t, cache, pos):
         """One token ``x_t: [B,D]`` at position ``pos`` -> ``(y_t [B,D], cache)``."""
@@ -149,14 +150,23 @@ class RecurrentMixer(nnx.Module):
         return self.output(self.readout(o, v), x_t), {"conv": conv, "state": state}
 
 
-def apply_op(entry, f: dict, cfg, seq_axis: str = "", **kw):
-    """``entry(**f, impl=cfg.impl, chunk_size=cfg.chunk_size, **kw)``; with ``seq_axis`` through
-    ``ops.sequence.over_time`` (time axis sharded over that mesh axis, mesh from
-    ``jax.set_mesh``; the other mesh axes stay automatic)."""
-    kw = kw | {"impl": cfg.impl, "chunk_size": cfg.chunk_size}
+def apply_op(entry, f: dict, cfg, seq_axis: str = "", segment_ids=None, **kw):
+    """``entry(**f, segment_ids=segment_ids, impl=cfg.impl, chunk_size=cfg.chunk_size, **kw)``
+    (``segment_ids`` only when given; ``kw`` may override ``impl``); with ``seq_axis`` through
+    ``ops.sequence.over_time`` (the time axis of every array, ``segment_ids`` included, sharded
+    over that mesh axis, mesh from ``jax.set_mesh``; the other mesh axes stay automatic)."""
+    if segment_ids is not None:
+        f = f | {"segment_ids": segment_ids}
+    kw = {"impl": cfg.impl, "chunk_size": cfg.chunk_size} | kw
     if seq_axis:
         return sequence.over_time(entry, seq_axis, **kw)(**f)
     return entry(**f, **kw)
+
+
+def prefill_impl(impl: str) -> str:
+    """The impl a prefill runs: ``impl`` when it returns final states (recurrent, chunked,
+    pallas, auto), "auto" for the stateless reference and scan forms."""
+    return impl if impl in ("recurrent", "chunked", "pallas", "auto") else "auto"
 
 
 def level_count_ok(cfg, T: int) -> None:

@@ -48,6 +48,10 @@ def base_config() -> ml_collections.ConfigDict:
         batch_size=8,               # global examples per optimizer step (all hosts, all micro-batches)
         seed=0,                     # data seed: batch `step` row `r` = rng([seed, split, step, r])
         eval_fraction=0.01,         # tail of the text/tokens corpus held out for eval
+        pack=False,                 # packed documents (text/tokens): segment_ids per row, no
+                                    # attention/state/conv across documents, no loss on a
+                                    # document's first token (hla_jax/data/pipeline.py)
+        separator=-1,               # tokens + pack: the id that ends each document (-1 = none)
         mqar=dict(num_kv_pairs=16,  # MQAR: key-value pairs per example (seq_len >= 4 * pairs)
                   power_a=0.01),    # MQAR: query gap distribution p(i) ∝ i^(power_a - 1)
         niah=dict(n_digits=5),      # NIAH: digits of the magic number

@@ -1,7 +1,9 @@
 """Pure step functions on split NNX state (``nnx.split`` -> arrays -> ``nnx.merge`` inside jit).
 
-Batches are dicts ``inputs, targets`` int32 and ``mask`` float32, each ``[accum, b, T]``; the loss
-is the masked mean next-token cross-entropy in float32 whatever the compute dtype.
+Batches are dicts ``inputs, targets`` int32 and ``mask`` float32, each ``[accum, b, T]``, and
+optionally ``segment_ids`` int32 (packed documents, passed to the model; the data pipeline's mask
+already drops the targets that start a new document); the loss is the masked mean next-token
+cross-entropy in float32 whatever the compute dtype.
 """
 
 import jax
@@ -24,7 +26,8 @@ def scored(batch):
 def token_nll(model, batch):
     """``(nll, correct)``: −log p(target) and argmax == target, float32, at the ``scored``
     positions (``[b,T]``, or ``[b,P]`` with ``positions``)."""
-    logits = model(batch["inputs"], batch.get("positions")).astype(jnp.float32)
+    logits = model(batch["inputs"], batch.get("positions"),
+                   batch.get("segment_ids")).astype(jnp.float32)
     targets, _ = scored(batch)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
