@@ -18,9 +18,12 @@ Kernels (``CASES``), compiled, not interpreted:
 
 Gates ``g``: per token (``token``), per head (``head``), none, or per token with −∞ entries
 (``reset``: in batch element 0 only, at chunk boundaries and at random, so the other element
-keeps its initial state's term).  Gradients of ``sum(o·w)`` (plus ``sum(h_T·w')`` for the final
-state) with respect to every differentiable input (q, k, v, g, the initial state, and β, λ where
-the operator has them).  The reference runs in float64 (``jax.enable_x64``) on the same inputs:
+keeps its initial state's term), or per token with packed documents (``docs``: ``segment_ids``
+with documents of ``DOCS`` tokens in turn, starting mid-chunk, in element 0, one document in the
+other; the reference is the operator with ``g = −∞`` at each document start, SPEC §8).
+Gradients of ``sum(o·w)`` (plus ``sum(h_T·w')`` for the final state) with respect to every
+differentiable input (q, k, v, g, the initial state, and β, λ where the operator has them).
+The reference runs in float64 (``jax.enable_x64``) on the same inputs:
 ``reference.linear_attention``, plus ``D(t,−1) q_tᵀ H0`` and ``H_T = Σ_s D(T−1,s) k_s v_sᵀ +
 D(T−1,−1) H0`` for ``la_pallas`` (``la_with_state``), and ``hla_jax.ops.reference.<op>``
 otherwise.  Every output and gradient records its max abs and relative (Frobenius) error; a case
@@ -45,11 +48,12 @@ import numpy as np
 
 from hla_jax import kernels, ops
 from hla_jax.kernels import wrap
-from hla_jax.ops import fenwick, reference
+from hla_jax.ops import common, fenwick, reference
 
 HLA = ("hla2", "ahla", "hla3")
 LOGLINEAR = ("loglinear_mamba2", "loglinear_gated_deltanet")
 RESETS = (64, 127, 500)  # positions of −∞ log-decays in a "reset" gate (chunk starts and ends)
+DOCS = (300, 1, 137, 64, 211)  # document lengths of a "docs" row, in turn
 
 
 class Case(NamedTuple):
@@ -59,7 +63,7 @@ class Case(NamedTuple):
     H: int
     d: int
     dv: int
-    gate: str | None  # "token" | "head" | "reset" | None
+    gate: str | None  # "token" | "head" | "reset" | "docs" | None
     normalize: bool
     dtype: str
     backend: str | None = None  # la_pallas's (None: its default)
@@ -73,6 +77,8 @@ CASES = [
     *[Case(n, 1, 700, 2, 128, 128, "token", True, "float32") for n in HLA],
     *[Case(n, 2, 300, 2, 64, 64, "reset", False, "float32") for n in HLA],
     Case("hla2", 1, 513, 3, 128, 96, None, False, "float32"),
+    *[Case(n, 2, 1000, 2, 128, 128, "docs", False, "bfloat16") for n in ("mamba2", *HLA)],
+    Case("hla2", 2, 700, 2, 128, 128, "docs", True, "float32"),
     *[Case(n, B, T, 2, 128, dv, "token", False, dt) for n in LOGLINEAR
       for B, T, dv, dt in ((2, 300, 64, "float32"), (1, 1000, 128, "float32"), (2, 1000, 128, "bfloat16"))],
 ]
@@ -132,8 +138,23 @@ def la_with_state(q, k, v, g, h0):
     return o, hT
 
 
+def segments(case):
+    """``segment_ids [B,T]`` of a "docs" case (``DOCS`` in turn in row 0, one document in the
+    others), or None."""
+    if case.gate != "docs":
+        return None
+    ids = np.zeros((case.B, case.T), np.int32)
+    ids[0] = np.repeat(np.arange(case.T), np.resize(DOCS, case.T))[:case.T]
+    return jnp.asarray(ids)
+
+
 def kernel_fn(case):
     """The kernel under test as ``f(*args) -> tuple of outputs``."""
+    seg = segments(case)
+    if seg is not None:
+        op = getattr(ops, case.kernel)
+        kw = {} if case.kernel == "mamba2" else {"normalize": case.normalize, "eps": 1e-6}
+        return lambda *a: (op(*a, segment_ids=seg, impl="pallas", **kw),)
     if case.kernel == "mamba2":
         return lambda q, k, v, g: (ops.mamba2(q, k, v, g, impl="pallas"),)
     if case.kernel == "la_pallas":
@@ -146,6 +167,11 @@ def kernel_fn(case):
 
 def reference_fn(case):
     """The quadratic reference as ``f(*args) -> tuple of outputs``."""
+    seg = segments(case)
+    if seg is not None:  # the documents' resets, SPEC §8
+        plain = reference_fn(case._replace(gate="token"))
+        starts = np.asarray(common.doc_starts(seg))[..., None]
+        return lambda q, k, v, g: plain(q, k, v, jnp.where(starts, -jnp.inf, g))
     if case.kernel == "mamba2":
         return lambda q, k, v, g: (reference.linear_attention(q, k, v, g),)
     if case.kernel == "la_pallas":

@@ -1,5 +1,7 @@
 """The stacked MQAR sweep: on-device MQAR batches (invariants, the distribution of
-``MQAR.example``), stacked training equal to single runs, and the CLI (outputs, resume, shards)."""
+``MQAR.example``, mixtures of pair counts), stacked training equal to single runs, the protocol
+(early stop, frozen stopped models, exact resume mid-program, compaction) and the CLI (outputs,
+resume, time budget, shards, mixtures)."""
 
 import json
 import pathlib
@@ -14,7 +16,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from helpers import assert_close  # noqa: E402
 
-from experiments import mqar  # noqa: E402
+from experiments import common, mqar  # noqa: E402
 from hla_jax import data  # noqa: E402
 from hla_jax.train import sharding, stacked  # noqa: E402
 from hla_jax.train.config import check_config  # noqa: E402
@@ -122,42 +124,60 @@ def _outputs(out, stem):
     return res, md
 
 
-def test_mqar_sweep_resumes_and_shards(tmp_path, monkeypatch):
-    argv = ["--mixers", "linear,softmax", "--dims", "16", "--pairs", "4,8", "--lrs", "3e-3,1e-2",
-            "--steps", "20", "--seq_len", "64", "--vocab", "64", "--batch", "8",
-            "--eval_steps", "1", "--eval_every", "10", "--out", str(tmp_path),
-            "--jit_cache", str(tmp_path / "jit")]
-    mqar.main(argv + ["--tag", "t"])
-    res, md = _outputs(tmp_path, "mqar_t")
+@pytest.fixture(scope="module")
+def jit_cache(tmp_path_factory):
+    """One persistent compilation cache for the file: programs of equal shapes compile once."""
+    return str(tmp_path_factory.mktemp("jit"))
+
+
+# A task a tiny softmax model learns in tens of steps at lr 3e-2 (not at 1e-4); all protocol tests
+# share its shapes (steps included: the schedule is compiled in), hence its compiled programs.
+TINY = ["--dims", "16", "--pairs", "1,2", "--lrs", "3e-2,1e-4", "--steps", "80", "--seq_len", "16",
+        "--vocab", "16", "--batch", "16", "--eval_steps", "1", "--eval_every", "5"]
+FAST = (1, 3e-2)  # pairs, lr
+RESULT_FIELDS = ("accuracy", "row_accuracy", "loss", "train_loss", "curve", "steps", "stopped_at")
+
+
+def _fields(runs):
+    return {k: [r[f] for f in RESULT_FIELDS] for k, r in runs.items()}
+
+
+def test_mqar_sweep_resumes_and_shards(tmp_path, monkeypatch, jit_cache, free):
+    """Two shards, one cut by ``--time_budget`` and resumed; their merge is the unsharded sweep
+    (``free``: the softmax cell trained in one go); a finished sweep trains nothing again."""
+    argv = TINY + ["--mixers", "softmax,linear", "--target", "0", "--out", str(tmp_path),
+                   "--jit_cache", jit_cache, "--tag", "s"]
+    # a call always takes a step, then checkpoints and stops (exit, no runs yet)
+    cut = mqar.main(argv + ["--shard", "0/2", "--time_budget", "1e-3"])
+    part = json.loads((tmp_path / "mqar_s.shard0of2.json").read_text())
+    assert part["runs"] == {} and part["cells"]["softmax/d16"]["steps"] == 1 and cut["runs"] == {}
+    assert (tmp_path / "mqar_s.ckpt" / "softmax_d16.npz").exists()
+    for i in range(2):  # the same command goes on; shards take the same cells in every call
+        mqar.main(argv + ["--shard", f"{i}/2"])
+        part = json.loads((tmp_path / f"mqar_s.shard{i}of2.json").read_text())
+        assert {r["mixer"] for r in part["runs"].values()} == {("softmax", "linear")[i]}
+    assert part["cells"]["linear/d16"]["calls"] == 1 and not (tmp_path / "mqar_s.ckpt").exists()
+    res = mqar.main(argv + ["--merge"])
+    assert _fields({k: r for k, r in res["runs"].items() if r["mixer"] == "softmax"}) == _fields(
+        free.records())  # an exact resume
+    res, md = _outputs(tmp_path, "mqar_s")
     assert len(res["runs"]) == 8 and set(res["cells"]) == {"linear/d16", "softmax/d16"}
-    run = res["runs"]["softmax/d16/kv8/lr0.01"]
-    assert run["steps"] == 20 and 0.0 <= run["accuracy"] <= 1.0 and not run["diverged"]
-    assert run["curve"]["step"] == [10, 20] and run["curve"]["accuracy"][-1] == run["accuracy"]
+    run = res["runs"]["softmax/d16/kv2/lr0.03"]
+    assert run["steps"] == 80 and 0.0 <= run["accuracy"] <= 1.0 and not run["diverged"]
+    assert run["curve"]["step"] == list(range(5, 85, 5)) and run["curve"]["accuracy"][-1] == run["accuracy"]
     assert np.isfinite(run["train_loss"]) and res["cells"]["linear/d16"]["models"] == 4
-    assert res["best"]["linear"]["16"]["4"]["lr"] in (3e-3, 1e-2)
-    assert res["settings"]["seq_len"] == 64 and res["paper"]["accuracy"]["mamba2"]["16"] == 46.9
+    assert res["cells"]["linear/d16"]["step_ms"] > 0 and run["stopped_at"] is None
+    assert res["cells"]["softmax/d16"]["calls"] == 2
+    assert res["best"]["linear"]["16"]["1"]["lr"] in (3e-2, 1e-4)
+    assert res["settings"]["seq_len"] == 16 and res["paper"]["accuracy"]["mamba2"]["16"] == 46.9
+    assert res["settings"]["protocol"] == "zoology" and res["settings"]["batch"] == 16
     assert "| linear | 16 |" in md and "d=16 paper" in md
 
-    before = (tmp_path / "mqar_t.json").read_text()
+    before = (tmp_path / "mqar_s.json").read_text()
     with monkeypatch.context() as m:  # resume: nothing left to train, results unchanged
-        m.setattr(mqar, "train_cell", lambda *a, **k: pytest.fail("trained a finished cell"))
-        mqar.main(argv + ["--tag", "t"])
-    assert json.loads((tmp_path / "mqar_t.json").read_text())["runs"] == json.loads(before)["runs"]
-
-    for i in range(2):  # shards split cells; their merge is the unsharded sweep
-        mqar.main(argv + ["--tag", "s", "--shard", f"{i}/2"])
-        part = json.loads((tmp_path / f"mqar_s.shard{i}of2.json").read_text())
-        assert {r["mixer"] for r in part["runs"].values()} == {("linear", "softmax")[i]}
-    merged = mqar.main(argv + ["--tag", "s", "--merge"])
-    fields = ("accuracy", "row_accuracy", "loss", "train_loss", "curve")
-    assert {k: [r[f] for f in fields] for k, r in merged["runs"].items()} == {
-        k: [r[f] for f in fields] for k, r in res["runs"].items()}
-
-    small = mqar.main(argv[:-2] + ["--jit_cache", "", "--mixers", "linear", "--lrs", "3e-3",
-                                   "--group", "1", "--tag", "g"])  # one model per program
-    assert set(small["cells"]) == {"linear/d16/1of2", "linear/d16/2of2"}
-    for k, r in small["runs"].items():
-        np.testing.assert_allclose(r["train_loss"], res["runs"][k]["train_loss"], rtol=1e-4)
+        m.setattr(mqar, "Program", lambda *a, **k: pytest.fail("trained a finished cell"))
+        mqar.main(argv)
+    assert json.loads((tmp_path / "mqar_s.json").read_text())["runs"] == json.loads(before)["runs"]
 
 
 def test_mqar_merge_of_shard_files(tmp_path):
@@ -198,3 +218,129 @@ def test_loss_read_at_answer_positions_equals_the_full_loss(rng):
         assert_close(ev(params, rest, add_accum(batch))[k], v, 1e-6, k)
     with pytest.raises(ValueError, match="positions"):
         src.batch(jax.random.key(0), 2, positions=3)
+
+
+def test_mqar_mixture_batch_mixes_every_pair_count():
+    """Row r of a mixture batch comes from count r mod C (its number of answers), each count's
+    rows are that source's own batch, and answer positions are padded to the largest count."""
+    counts, size = (1, 4, 2), 8
+    sources = [data.MQAR(32, 64, n) for n in counts]
+    key = jax.random.key(3)
+    b = jax.device_get(data.synthetic.MQARMixture(sources).batch(key, size, positions=4))
+    np.testing.assert_array_equal(b["mask"].sum(1), [counts[r % 3] for r in range(size)])
+    for c, src in enumerate(sources):
+        own = jax.device_get(src.batch(jax.random.fold_in(key, counts[c]), len(range(c, size, 3)), 4))
+        for k in own:
+            np.testing.assert_array_equal(b[k][c::3], own[k], err_msg=f"count {counts[c]} {k}")
+    assert b["positions"].shape == (size, 4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        data.synthetic.MQARMixture(sources).batch(key, 2)
+
+
+def _program(tmp_path, name, models, target):
+    args = mqar.parse_args(TINY + ["--mixers", "softmax", "--target", repr(target),
+                                   "--compact_steps", "0"])
+    return mqar.Program(args, "softmax", 16, models, name, tmp_path / f"{name}.npz")
+
+
+def _params(prog):
+    return [np.asarray(x) for x in jax.tree.leaves(prog.state["params"])]
+
+
+def _reach(curve, upto):
+    """The best accuracy (the worst pair count's) of a model's curve up to step ``upto``."""
+    return max(min(e["accuracy"] for e in ev.values()) for s, ev in curve if s <= upto)
+
+
+def _first_at(curve, target):
+    """The first eval step where every pair count of a curve reaches ``target`` (0: never)."""
+    return next((s for s, ev in curve if min(e["accuracy"] for e in ev.values()) >= target), 0)
+
+
+@pytest.fixture(scope="module")
+def free(tmp_path_factory, jit_cache):
+    """The TINY softmax cell (4 models) trained without early stopping."""
+    common.compilation_cache(jit_cache)
+    args = mqar.parse_args(TINY + ["--target", "0"])
+    prog = _program(tmp_path_factory.mktemp("free"), "free", mqar.cell_models(args), 0.0)
+    assert prog.run() and prog.step == 80 and not prog.stopped_at.any()
+    slow = max(_reach(c, 80) for (_, lr), c in zip(prog.models, prog.curve) if lr == 1e-4)
+    assert _reach(prog.curve[prog.models.index(FAST)], 40) > slow, "lr 3e-2 must learn, 1e-4 not"
+    return prog
+
+
+def test_mqar_early_stop_freezes_and_resumes_exactly(tmp_path, free):
+    """With a target the fast model reaches by step 40 and the lr-1e-4 ones never, each model
+    stops at its first eval at the target (its accuracy then is its result, its params never
+    change again) while the others train on undisturbed; a run cut mid-way (pending metrics)
+    and resumed from its checkpoint equals the uninterrupted one; when all stop, it ends early."""
+    target = _reach(free.curve[free.models.index(FAST)], 40)
+    expect = [_first_at(c, target) for c in free.curve]
+    s0, slow = expect[free.models.index(FAST)], [lr == 1e-4 for _, lr in free.models]
+    stop = _program(tmp_path, "stop", free.models, target)
+    assert stop.run() and stop.step == 80 and stop.stopped_at.tolist() == expect
+    runs = stop.records()
+    fast = runs["softmax/d16/kv1/lr0.03"]
+    assert fast["stopped_at"] == fast["steps"] == s0 and fast["curve"]["step"][-1] == s0
+    assert fast["accuracy"] == dict(free.curve[free.models.index(FAST)])[s0]["1"]["accuracy"]
+    assert runs["softmax/d16/kv1/lr0.0001"]["stopped_at"] is None
+    for a, b in zip(_params(stop), _params(free)):
+        np.testing.assert_array_equal(a[slow], b[slow])  # the others are not disturbed
+
+    cut = _program(tmp_path, "cut", free.models, target)
+    assert not cut.run(stop=lambda prog: prog.step >= s0 + 3) and cut.path.exists()
+    frozen = _params(cut)
+    resumed = _program(tmp_path, "cut", free.models, target)
+    assert resumed.step == s0 + 3 and len(resumed.pending) == 3
+    assert resumed.run() and resumed.timings()["calls"] == 2
+    for a, b, f in zip(_params(resumed), _params(stop), frozen):
+        np.testing.assert_array_equal(a, b)
+        for j, s in enumerate(expect):
+            assert np.array_equal(f[j], b[j]) == bool(s and s <= s0 + 3)  # frozen from its stop on
+    drop = lambda rs: {k: {f: v for f, v in r.items() if f != "seconds"} for k, r in rs.items()}
+    assert drop(resumed.records()) == drop(runs)
+    with pytest.raises(ValueError, match="other settings"):
+        _program(tmp_path, "cut", free.models, target / 2)
+
+    fast2 = [m for m in free.models if m[1] == 3e-2]
+    low = min(_reach(free.curve[free.models.index(m)], 40) for m in fast2)
+    both = _program(tmp_path, "both", fast2 * 2, low)
+    end = max(_first_at(free.curve[free.models.index(m)], low) for m in fast2)
+    assert both.run() and both.step == end <= 40 and both.stopped_at.all()
+
+
+def test_mqar_sweep_compacts(tmp_path, free, jit_cache):
+    """Once at most half of a program's models still train, it goes on with only those
+    (re-compiled) and they end as they do in the full program; the CLI records the stops."""
+    target = min(_reach(c, 40) for (_, lr), c in zip(free.models, free.curve) if lr == 3e-2)
+    stops = {m: _first_at(c, target) for m, c in zip(free.models, free.curve)}
+    res = mqar.main(TINY + ["--mixers", "softmax", "--target", repr(target), "--compact_steps", "10",
+                            "--tag", "c", "--out", str(tmp_path), "--jit_cache", jit_cache])
+    assert res["cells"]["softmax/d16"]["compactions"] == [{"step": max(stops.values()), "models": 2}]
+    ref, at = free.records(), max(stops.values())
+    upto = lambda curve, last: [a for s, a in zip(curve["step"], curve["accuracy"]) if s <= last]
+    for k, r in res["runs"].items():
+        assert r["stopped_at"] == (stops[r["pairs"], r["lr"]] or None)
+        last = r["stopped_at"] or at  # the same program up to the compaction
+        assert upto(r["curve"], last) == upto(ref[k]["curve"], last)
+        if not r["stopped_at"]:  # then the live ones alone, up to float rounding
+            assert len(r["curve"]["step"]) == 16 and r["steps"] == 80
+            assert_close(r["loss"], ref[k]["loss"], 1e-4, f"{k} loss")
+
+
+def test_mqar_mixture_sweep(tmp_path, jit_cache):
+    """``--mixture``: one model per lr on batches of both pair counts, run keys of their own,
+    eval per count (the run's accuracy their mean), a ``(mix)`` table row; ``--group 1``."""
+    res = mqar.main(TINY + ["--mixers", "softmax", "--mixture", "--group", "1", "--tag", "mix",
+                            "--out", str(tmp_path), "--jit_cache", jit_cache])
+    _, md = _outputs(tmp_path, "mqar_mix")
+    assert set(res["runs"]) == {"softmax/d16/mix1-2/lr0.03", "softmax/d16/mix1-2/lr0.0001"}
+    assert set(res["cells"]) == {"softmax/d16/mix/1of2", "softmax/d16/mix/2of2"}
+    for r in res["runs"].values():
+        assert r["pairs"] == [1, 2] and set(r["per_pairs"]) == {"1", "2"}
+        assert_close(r["accuracy"], np.mean([e["accuracy"] for e in r["per_pairs"].values()]), 1e-12)
+        assert set(r["curve"]["per_pairs"]) == {"1", "2"}
+    fast = res["runs"]["softmax/d16/mix1-2/lr0.03"]
+    assert fast["per_pairs"]["1"]["accuracy"] > 0.5  # it learned from the mixed batches
+    assert set(res["best"]) == {"softmax (mix)"} and "| softmax (mix) | 16 |" in md
+    assert {e["lr"] for e in res["best"]["softmax (mix)"]["16"].values()} == {3e-2}

@@ -2,7 +2,8 @@
 
 Each source's ``example(rng)`` returns ``(inputs, targets, mask)``, each ``[T]``: ``mask`` (bool)
 marks the targets that count in the loss (the answers), so batches carry a loss mask.
-``MQAR.batch(key, size)`` draws a whole batch with ``jax.random`` instead (on device, jittable).
+``MQAR.batch(key, size)`` draws a whole batch with ``jax.random`` instead (on device, jittable);
+``MQARMixture`` mixes the rows of several pair counts in one batch.
 """
 
 import jax
@@ -81,6 +82,32 @@ class MQAR:
                 raise ValueError(f"positions={positions} < num_kv_pairs={n}")
             out["positions"] = jnp.pad(queries, ((0, 0), (0, positions - n))).astype(jnp.int32)
         return out
+
+
+class MQARMixture:
+    """Batches that mix several ``MQAR`` sources (pair counts) of one ``seq_len``: row ``r`` comes
+    from source ``r mod C``, so every count fills ``size/C`` rows (±1) and every run of ``C``
+    consecutive rows (e.g. a micro-batch) holds each count once. ``num_kv_pairs`` is the largest
+    count (``positions`` must cover it)."""
+
+    def __init__(self, sources):
+        self.sources = list(sources)
+        if len({src.seq_len for src in self.sources}) != 1:
+            raise ValueError("MQARMixture sources must share seq_len")
+        self.seq_len = self.sources[0].seq_len
+        self.num_kv_pairs = max(src.num_kv_pairs for src in self.sources)
+
+    def batch(self, key, size: int, positions: int = 0) -> dict:
+        """``MQAR.batch`` of ``size`` rows, source ``c``'s rows drawn from ``fold_in(key, its
+        num_kv_pairs)``."""
+        C = len(self.sources)
+        if size < C:
+            raise ValueError(f"batch of {size} rows cannot hold {C} pair counts")
+        parts = [src.batch(jax.random.fold_in(key, src.num_kv_pairs), len(range(c, size, C)),
+                           positions) for c, src in enumerate(self.sources)]
+        row_of = np.concatenate([np.arange(c, size, C) for c in range(C)])  # concat row -> row
+        order = np.argsort(row_of)
+        return {k: jnp.concatenate([p[k] for p in parts])[order] for k in parts[0]}
 
 
 FILLER = (

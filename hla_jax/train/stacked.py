@@ -12,10 +12,17 @@ update ``-peak·s(t)·(adam(g) + wd·p)`` of ``make_optimizer`` at that peak, up
 
 A model that diverges only spoils its own slice (no vmapped op mixes models): the others go on,
 and the caller reads which one diverged from the per-model metrics.
+
+``take`` keeps some of the models (a program that goes on without its stopped ones), ``save`` /
+``restore`` write and read a stacked state as one ``.npz`` (a program resumed mid-way).
 """
+
+import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hla_jax.train import sharding, steps
 from hla_jax.train.config import check_config
@@ -56,3 +63,33 @@ def make_eval_step(graphdef):
     """``(params, rest, batch) -> sums``: ``steps.make_eval_step`` vmapped over the model axis
     (``params [M, ...]``, ``batch [M, accum, b, T]``, sums ``[M]``; ``steps.eval_summary``)."""
     return jax.vmap(steps.make_eval_step(graphdef), in_axes=(0, None, 0))
+
+
+def take(tree, index):
+    """Models ``index`` (ints) of a stacked tree, ``x[index]`` on every leaf (e.g. to go on with
+    only the models that are still training)."""
+    index = jnp.asarray(index, jnp.int32)
+    return jax.tree.map(lambda x: x[index], tree)
+
+
+def save(path, tree, **arrays) -> None:
+    """Write the leaves of ``tree`` (e.g. ``{"params", "opt_state"}``) and the numpy ``arrays`` to
+    one ``.npz`` at ``path``, atomically (a call cut off mid-write leaves the previous file)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    leaves = {f"leaf{i}": np.asarray(x) for i, x in enumerate(jax.device_get(jax.tree.leaves(tree)))}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **leaves, **arrays)
+    os.replace(tmp, path)
+
+
+def restore(path, like) -> tuple:
+    """``(tree, arrays)`` from ``save``'s file: ``tree`` with the structure of ``like`` (its
+    leaves as saved: the model axis may be shorter than ``like``'s), ``arrays`` the rest."""
+    with np.load(path) as f:
+        files = {k: f[k] for k in f.files}
+    treedef = jax.tree.structure(like)
+    tree = jax.tree.unflatten(treedef, [jnp.asarray(files.pop(f"leaf{i}"))
+                                        for i in range(treedef.num_leaves)])
+    return tree, files
