@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -106,3 +108,28 @@ o_causal = ops.hla3(q, k, v, impl="reference")
 o_paper = ops.hla3(q, k, v, mask="paper", impl="reference")
 print("causal vs paper (relative difference):", f"{rel(o_paper, o_causal):.2f}")
 print("paper: chunked vs reference:", f"{rel(ops.hla3(q, k, v, mask='paper', chunk_size=16), o_paper):.1e}")
+
+# %% [markdown]
+# ## Packed documents and chunked states
+# `segment_ids` packs several documents into one row: the operator then equals the operator on
+# each document alone (SPEC §8). `initial_state` / `return_final_state` let the chunked form
+# process a sequence in pieces, or prefill a prompt in one parallel pass and hand its state to
+# `step`.
+
+# %%
+lengths = [9, 1, T - 10]  # three documents in each row, the first ending mid-chunk
+seg = jnp.asarray(np.repeat(np.arange(3), lengths))[None].repeat(B, 0)
+packed = ops.hla2(q, k, v, g, segment_ids=seg, chunk_size=4)
+start = 0
+for n in lengths:
+    alone = ops.hla2(q[:, start:start + n], k[:, start:start + n], v[:, start:start + n],
+                     g[:, start:start + n], impl="reference")
+    print(f"document of {n:2d} tokens: packed vs alone {rel(packed[:, start:start + n], alone):.1e}")
+    start += n
+
+half = T // 2 + 1
+o1, s = ops.hla2(q[:, :half], k[:, :half], v[:, :half], g[:, :half], return_final_state=True)
+o2, s = ops.hla2(q[:, half:], k[:, half:], v[:, half:], g[:, half:], initial_state=s,
+                 return_final_state=True)
+print("two pieces vs one pass:", f"{rel(jnp.concatenate([o1, o2], 1), o_scan):.1e}")
+print("final state vs the decode loop's:", f"{rel(s.U, state.U):.1e}")
