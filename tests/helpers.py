@@ -114,3 +114,15 @@ def lower_for(platform: str, fn, *args) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     finally:
         triton_call.gpu_info_lib.get_gpu_info = saved
+
+
+def data_cfg(**over):
+    """A ``config.data`` block for the data tests (byte text, T=32, batch 4), ``over`` applied."""
+    import ml_collections
+
+    c = ml_collections.ConfigDict(dict(
+        kind="text", path="", pattern="*.txt", seq_len=32, batch_size=4, seed=0,
+        eval_fraction=0.1, pack=False, separator=-1, mqar=dict(num_kv_pairs=4, power_a=0.01),
+        niah=dict(n_digits=5)))
+    c.update(over)
+    return c

@@ -1,20 +1,11 @@
 """hla_jax.data: tokenizer, corpora, memmaps, MQAR / NIAH, deterministic resumable batches."""
 
-import ml_collections
 import numpy as np
 import pytest
+from helpers import data_cfg
 
 from hla_jax import data
 from hla_jax.data.prepare import write_tokens
-
-
-def data_cfg(**over):
-    c = ml_collections.ConfigDict(dict(
-        kind="text", path="", pattern="*.txt", seq_len=32, batch_size=4, seed=0,
-        eval_fraction=0.1, pack=False, separator=-1, mqar=dict(num_kv_pairs=4, power_a=0.01),
-        niah=dict(n_digits=5)))
-    c.update(over)
-    return c
 
 
 def test_byte_tokenizer_round_trip():

@@ -5,11 +5,11 @@ clear errors for settings that cannot pack."""
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_close
+from helpers import data_cfg as plain_data_cfg
 
 from hla_jax import data
 from hla_jax.data.prepare import write_tokens
@@ -32,12 +32,7 @@ def tiny(mixer, **kw):
 
 
 def data_cfg(**over):
-    c = ml_collections.ConfigDict(dict(
-        kind="text", path="", pattern="*.txt", seq_len=32, batch_size=4, seed=0,
-        eval_fraction=0.2, pack=True, separator=-1, mqar=dict(num_kv_pairs=4, power_a=0.01),
-        niah=dict(n_digits=5)))
-    c.update(over)
-    return c
+    return plain_data_cfg(**{"pack": True, "eval_fraction": 0.2, **over})
 
 
 def row_segments():
