@@ -100,15 +100,15 @@ def main(argv=None):
                   / max(float(jnp.linalg.norm(jnp.asarray(y, jnp.float32))), 1e-30))
             for x, y in zip(jax.tree.leaves(ca), jax.tree.leaves(cb)))
         records[mixer] = rec
-        rows.append([mixer, f"{rec['parallel']['seconds']:.3f}", str(rec["parallel"]["longest_loop"]),
-                     f"{rec['serial']['seconds']:.3f}", str(rec["serial"]["longest_loop"]),
+        rows.append([mixer, f"{1e3 * rec['parallel']['seconds']:.2f}", str(rec["parallel"]["longest_loop"]),
+                     f"{1e3 * rec['serial']['seconds']:.1f}", str(rec["serial"]["longest_loop"]),
                      f"{rec['serial']['seconds'] / rec['parallel']['seconds']:.1f}",
                      f"{rec['logits_rel_diff']:.1e} / {rec['state_rel_diff']:.1e}"])
     device = jax.devices()[0].device_kind
     md = (f"Prefill of a [1, {args.T}] prompt, {args.layers} layers, d_model {args.d_model}, "
           f"heads of 64, float32, median of {args.repeats}, {device} ({platform.machine()}, "
           f"{os.cpu_count()} cores).\n\n" + common.markdown_table(
-              ["mixer", "one pass s", "longest loop", "serial s", "longest loop", "serial / one pass",
+              ["mixer", "one pass ms", "longest loop", "serial ms", "longest loop", "serial / one pass",
                "logits / state rel. diff"], rows))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
