@@ -76,7 +76,7 @@ class FeatureMapMixer(RecurrentMixer):
         H, d = self.cfg.n_heads, self.cfg.head_dim
         return self.family.init_state(batch, H, d, d, **self._normalize())
 
-    def op_step(self, state, f, pos):
+    def op_step(self, state, f):
         return self.family.step(state, f["q"], f["k"], f["v"], f["g"], **self._normalize())
 
 
@@ -159,8 +159,7 @@ class SSMMixer(RecurrentMixer):
         return ops.loglinear_family.init_state(batch, cfg.n_heads, cfg.head_dim, cfg.head_dim,
                                                cfg.num_levels if self.levels else None)
 
-    def op_step(self, state, f, pos):
-        del pos  # the log-linear state carries each row's position (``LevelState.t``)
+    def op_step(self, state, f):
         return ops.loglinear_family.step(state, f["q"], f["k"], f["v"], f["g"], f.get("beta"),
                                          f.get("lam"))
 

@@ -84,9 +84,9 @@ class RecurrentMixer(nnx.Module):
 
     Subclasses set ``uses_conv`` and implement ``features(x, q, k, v) -> dict`` (the op's inputs,
     shapes ``[B,T,H,...]`` or, when decoding, ``[B,H,...]``), ``op(f, seq_axis, segment_ids)``
-    (through ``apply_op``), ``op_init(batch)`` and ``op_step(state, f_t, pos) -> (o_t, state)``;
-    ``readout(o, v)`` may add a skip term.  The forward pass shards the op over
-    ``cfg.seq_axis``; prefill runs it unsharded.
+    (through ``apply_op``), ``op_init(batch)`` and ``op_step(state, f_t) -> (o_t, state)`` (a
+    log-linear state carries its rows' positions); ``readout(o, v)`` may add a skip term.  The
+    forward pass shards the op over ``cfg.seq_axis``; prefill runs it unsharded.
     """
 
     uses_conv = False
@@ -140,13 +140,15 @@ class RecurrentMixer(nnx.Module):
         return self.output(self.readout(o, v), x), {"conv": conv, "state": state}
 
     def step(self, x_t, cache, pos):
-        """One token ``x_t: [B,D]`` at position ``pos`` -> ``(y_t [B,D], cache)``."""
+        """One token ``x_t: [B,D]`` -> ``(y_t [B,D], cache)``; ``pos`` (the cache slot, which the
+        softmax mixer reads) is not needed: the state holds everything, positions included."""
+        del pos
         qkv = self._project(x_t)
         conv = cache["conv"]
         if self.conv is not None:
             qkv, conv = self.conv.step(conv, qkv)
         q, k, v = self._split(qkv)
-        o, state = self.op_step(cache["state"], self.features(x_t, q, k, v), pos)
+        o, state = self.op_step(cache["state"], self.features(x_t, q, k, v))
         return self.output(self.readout(o, v), x_t), {"conv": conv, "state": state}
 
 

@@ -118,18 +118,36 @@ def reset_gate(g, segment_ids, B: int, T: int, H: int, dtype, seq_axis=None):
     return jnp.where(doc_starts(segment_ids, seq_axis)[..., None], -jnp.inf, g)
 
 
-def doc_positions(segment_ids):
+def doc_positions(segment_ids, first=None, seq_axis=None):
     """``[B,T]`` int32: each token's position in its document, ``t − t0`` (``t0`` its document's
-    first token; the row's first document starts at 0)."""
+    first token).  The tokens before the row's first document start continue from ``first: [B]``
+    (the position of an initial state, or of a shard's first token in its document; None: 0);
+    ``seq_axis`` as for ``doc_starts``."""
     T = segment_ids.shape[1]
-    t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), segment_ids.shape)
-    return t - jax.lax.cummax(jnp.where(doc_starts(segment_ids), t, 0), axis=1)
+    t = jnp.arange(T, dtype=jnp.int32)
+    since = jax.lax.cummax(jnp.where(doc_starts(segment_ids, seq_axis), t, -1), axis=1)
+    before = t if first is None else first[:, None] + t
+    return jnp.where(since < 0, before, t - since)
 
 
 def same_doc(segment_ids):
     """``[B,T,T]`` bool: tokens ``t`` and ``s`` lie in one document (the quadratic oracles' mask)."""
     doc = jnp.cumsum(doc_starts(segment_ids), axis=1)
     return doc[:, :, None] == doc[:, None, :]
+
+
+STATE_IMPLS = ("recurrent", "chunked", "pallas", "auto")
+
+
+def wants_state(initial_state, return_final_state, impl, seq_axis, *, name: str) -> bool:
+    """Whether a call passes state arguments (``initial_state`` / ``return_final_state``); they
+    are taken by the ``STATE_IMPLS`` only, and not under ``seq_axis``: ValueError otherwise."""
+    if initial_state is None and not return_final_state:
+        return False
+    if impl not in STATE_IMPLS or seq_axis is not None:
+        raise ValueError(f"{name}: initial_state / return_final_state need impl in {STATE_IMPLS} "
+                         f"and seq_axis=None, got impl={impl!r}, seq_axis={seq_axis!r}")
+    return True
 
 
 def gate_or_zeros(g, B: int, T: int, H: int, dtype) -> jax.Array:

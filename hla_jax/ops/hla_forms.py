@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import loglinear, sequence
+from hla_jax.ops import common, sequence
 from hla_jax.ops.common import (
     cast_inputs,
     check_chunk_size,
@@ -136,16 +136,12 @@ def scan(family: Family, q, k, v, g=None, starts=None, *, normalize=False, eps=1
 
 def check_state(family: Family, initial_state, return_final_state, impl, seq_axis, dims,
                 normalize, *, name):
-    """``initial_state`` / ``return_final_state`` need impl in ``loglinear.STATE_IMPLS``
-    (recurrent, chunked, pallas, auto; the rule of every stateful entry) and no ``seq_axis``;
+    """``initial_state`` / ``return_final_state`` follow ``common.wants_state`` (the rule of every
+    stateful entry);
     ``initial_state`` is a tuple with the fields and shapes of ``family.init_state(*dims)``
     (``dims = (B, H, d, dv)``).  Returns it as the family's state type (or ``None``)."""
-    if initial_state is None and not return_final_state:
+    if not common.wants_state(initial_state, return_final_state, impl, seq_axis, name=name):
         return None
-    if impl not in loglinear.STATE_IMPLS or seq_axis is not None:
-        raise ValueError(f"{name}: initial_state / return_final_state need impl in "
-                         f"{loglinear.STATE_IMPLS} and seq_axis=None, got impl={impl!r}, "
-                         f"seq_axis={seq_axis!r}")
     if initial_state is None:
         return None
     want = jax.eval_shape(lambda: family.init_state(*dims, normalize=normalize))

@@ -147,19 +147,13 @@ def _reference(q, k, v, g, beta, lam, segment_ids):
     return reference.loglinear_gated_deltanet(q, k, v, g, beta, lam, segment_ids=segment_ids)
 
 
-STATE_IMPLS = ("recurrent", "chunked", "pallas", "auto")
-
-
 def check_state(initial_state, return_final_state, impl, seq_axis, B, H, d, dv, levels=None, *,
                 name):
     """``initial_state`` / ``return_final_state`` are taken by the recurrent, chunked and Pallas
     forms (not under ``seq_axis``); ``initial_state`` must be ``init_state(B, H, d, dv, levels)``'s
     layout: ``[B,H,d,dv]``, or ``LevelState`` with ``H: [levels,B,H,d,dv]``, ``t: [B]`` int."""
-    if initial_state is None and not return_final_state:
+    if not common.wants_state(initial_state, return_final_state, impl, seq_axis, name=name):
         return
-    if impl not in STATE_IMPLS or seq_axis is not None:
-        raise ValueError(f"{name}: initial_state / return_final_state need impl in {STATE_IMPLS} "
-                         f"and seq_axis=None, got impl={impl!r}, seq_axis={seq_axis!r}")
     if initial_state is None:
         return
     if levels is None:

@@ -15,7 +15,7 @@ import numpy as np
 from jax.scipy.linalg import solve_triangular
 
 from hla_jax.ops import common, fenwick, sequence
-from hla_jax.ops.ssm import LevelState, cast, combine, mul, positions, reset
+from hla_jax.ops.ssm import LevelState, cast, combine, mul, reset
 
 
 def _chunk_terms(Q, K, V, G, Beta):
@@ -335,7 +335,8 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None, initi
             H_in = fenwick.carry(initial_state.H.astype(dt), start)
         elif seq_axis is not None:
             start = _shard_start(segment_ids, t0, T, seq_axis)
-        pos = positions(segment_ids, start, T, seq_axis)
+        pos = (start[:, None] + jnp.arange(T, dtype=jnp.int32) if segment_ids is None
+               else common.doc_positions(segment_ids, start, seq_axis))
         pos = jnp.concatenate([pos, pos[:, -1:] + 1 + jnp.arange(N * c - T)], 1)
         pos = pos.reshape(B, 1, N, c)
         plan = _document_plan(pos, Qh, Kw, V, own, S)

@@ -107,14 +107,3 @@ def cast_state(state, dt):
 def reset(g, segment_ids, seq_axis=None):
     """``g: [B,T,H]`` with ``-inf`` at every document start (``common.reset_gate``)."""
     return common.reset_gate(g, segment_ids, *g.shape, g.dtype, seq_axis)
-
-
-def positions(segment_ids, first, T: int, seq_axis=None):
-    """``[B,T]`` int32: each token's position in its document, ``t − t0``; the tokens before the
-    row's first document start continue from ``first: [B]`` (the position of an initial state,
-    or of a shard's first token in its document)."""
-    t = jnp.arange(T, dtype=jnp.int32)
-    if segment_ids is None:
-        return first[:, None] + t
-    since = jax.lax.cummax(jnp.where(common.doc_starts(segment_ids, seq_axis), t, -1), axis=1)
-    return jnp.where(since < 0, first[:, None] + t, t - since)
