@@ -12,10 +12,12 @@ Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
 - ``mamba2_pallas``: ``ops.mamba2(impl="pallas")``, i.e. ``hla_jax.kernels.la_pallas``;
 - ``hla2_pallas``, ``ahla_pallas``, ``hla3_pallas``: ``ops.<op>(impl="pallas")``, the SPEC §7
   chains of two ``la_pallas`` calls;
+- ``gated_deltanet_pallas``: ``ops.gated_deltanet(impl="pallas")``, i.e.
+  ``hla_jax.kernels.gated_deltanet_pallas``;
 - ``jla_simple_gla``, ``jla_gated_deltanet``: the wheel's Mosaic GPU kernels at ``scale=1`` (our
   operators do not scale q);
 - ``cudnn_causal``: ``jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")``;
-- ``mamba2_xla_chunked``, ``<op>_xla_chunked``: ``impl="chunked"``;
+- ``mamba2_xla_chunked``, ``gated_deltanet_xla_chunked``, ``<op>_xla_chunked``: ``impl="chunked"``;
 - only when named in ``--methods``: the log-linear kernels (``loglinear_mamba2_pallas``,
   ``loglinear_gdn_pallas``), their ``_xla_chunked`` forms and the wheel's plain-JAX
   ``jla_log_linear_simple_gla``, which runs out of memory at B·T = 65536, so it and a twin row of
@@ -83,9 +85,11 @@ TARGETS = [
     Target("hla3_pallas", "mamba2_pallas", "<=", 3.0),
     Target("cudnn_causal", "hla2_pallas", ">=", 3.0, 8192),
     Target("cudnn_causal", "hla2_pallas", ">=", 8.0, 32768),
+    Target("gated_deltanet_pallas", "jla_gated_deltanet", "<=", 1.5),
 ]
 DEFAULT_METHODS = ("mamba2_pallas", "jla_simple_gla", "hla2_pallas", "ahla_pallas", "hla3_pallas",
-                   "cudnn_causal", "jla_gated_deltanet", "mamba2_xla_chunked", "hla2_xla_chunked",
+                   "cudnn_causal", "gated_deltanet_pallas", "jla_gated_deltanet",
+                   "mamba2_xla_chunked", "gated_deltanet_xla_chunked", "hla2_xla_chunked",
                    "ahla_xla_chunked", "hla3_xla_chunked")
 SMALL_TOKENS = {"jla_log_linear_simple_gla": 16384, "loglinear_mamba2_pallas_16k": 16384}
 LOGLINEAR_SETTINGS = [dict(block_v_bwd=64), dict(block_v_bwd=128), dict(block_v_bwd=32)]
@@ -135,6 +139,11 @@ def _op(name, impl):
     return _ready(lambda q, k, v, g, beta, lam: getattr(ops, name)(q, k, v, g, impl=impl))
 
 
+def _gdn(impl):
+    """``ops.gated_deltanet(q, k, v, g, beta, impl=impl)``."""
+    return _ready(lambda q, k, v, g, beta, lam: ops.gated_deltanet(q, k, v, g, beta, impl=impl))
+
+
 def _jla(kind, impl, gates):
     """``jla.ops.linear_attention(kind, …, scale=1.0)`` with the gates ``gates(q, g, beta, lam)``."""
     def make():
@@ -168,7 +177,9 @@ def methods(loglinear_kw=None):
                                    lambda q, g, beta, lam: dict(g=g, beta=beta)),
         "cudnn_causal": _ready(lambda q, k, v, g, beta, lam: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn")),
+        "gated_deltanet_pallas": _gdn("pallas"),
         "mamba2_xla_chunked": _op("mamba2", "chunked"),
+        "gated_deltanet_xla_chunked": _gdn("chunked"),
         **{f"{op}_xla_chunked": _op(op, "chunked") for op in HLA},
         "loglinear_mamba2_pallas": loglinear,
         "loglinear_mamba2_pallas_16k": loglinear,

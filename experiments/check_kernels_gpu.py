@@ -14,6 +14,9 @@ Kernels (``CASES``), compiled, not interpreted:
   state (``backend`` its default or as the case names it);
 - ``hla2``, ``ahla``, ``hla3`` (causal): ``ops.<op>(impl="pallas")``, the SPEC §7 chains of two
   ``la_pallas`` calls, with and without ratio normalisation;
+- ``gated_deltanet``: ``kernels.gated_deltanet_pallas`` from an initial state and returning the
+  final state (reference: the float64 recurrence, ``ops.gated_deltanet(impl="recurrent")``), or,
+  with packed documents, ``ops.gated_deltanet(impl="pallas")`` (reference: the quadratic one);
 - ``loglinear_mamba2``, ``loglinear_gated_deltanet``: ``kernels.<name>_pallas``.
 
 Gates ``g``: per token (``token``), per head (``head``), none, or per token with −∞ entries
@@ -52,6 +55,7 @@ from hla_jax.ops import common, fenwick, reference
 
 HLA = ("hla2", "ahla", "hla3")
 LOGLINEAR = ("loglinear_mamba2", "loglinear_gated_deltanet")
+DELTA = ("gated_deltanet", "loglinear_gated_deltanet")  # keys L2-normalised, a β
 RESETS = (64, 127, 500)  # positions of −∞ log-decays in a "reset" gate (chunk starts and ends)
 DOCS = (300, 1, 137, 64, 211)  # document lengths of a "docs" row, in turn
 
@@ -79,6 +83,8 @@ CASES = [
     Case("hla2", 1, 513, 3, 128, 96, None, False, "float32"),
     *[Case(n, 2, 1000, 2, 128, 128, "docs", False, "bfloat16") for n in ("mamba2", *HLA)],
     Case("hla2", 2, 700, 2, 128, 128, "docs", True, "float32"),
+    *[Case("gated_deltanet", 2, T, 2, d, dv, gate, False, "bfloat16")
+      for T, d, dv, gate in ((1000, 128, 128, "reset"), (700, 64, 192, "token"), (1000, 128, 128, "docs"))],
     *[Case(n, B, T, 2, 128, dv, "token", False, dt) for n in LOGLINEAR
       for B, T, dv, dt in ((2, 300, 64, "float32"), (1, 1000, 128, "float32"), (2, 1000, 128, "bfloat16"))],
 ]
@@ -99,7 +105,7 @@ def operands(rng, case):
     B, T, H, d, dv = case.B, case.T, case.H, case.d, case.dv
     dt = jnp.dtype(case.dtype)
     q, k = (rng.normal(size=(B, T, H, d)) / np.sqrt(d) for _ in range(2))
-    if case.kernel == "loglinear_gated_deltanet":
+    if case.kernel in DELTA:
         k = k / np.linalg.norm(k, axis=-1, keepdims=True)
     args = [jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(rng.normal(size=(B, T, H, dv)), dt)]
     names = ["q", "k", "v"]
@@ -111,13 +117,13 @@ def operands(rng, case):
             g[0][rng.random((T, H)) < 0.005] = -np.inf
         args.append(jnp.asarray(g, jnp.float32))
         names.append("g")
-    if case.kernel == "loglinear_gated_deltanet":
+    if case.kernel in DELTA:
         args.append(jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.float32))
         names.append("beta")
     if case.kernel in LOGLINEAR:
         args.append(jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, fenwick.num_levels(T))), jnp.float32))
         names.append("lam")
-    if case.kernel == "la_pallas":
+    if case.kernel == "la_pallas" or (case.kernel == "gated_deltanet" and case.gate != "docs"):
         args.append(jnp.asarray(rng.normal(size=(B, H, d, dv)), jnp.float32))
         names.append("h0")
     return args, names
@@ -153,13 +159,17 @@ def kernel_fn(case):
     seg = segments(case)
     if seg is not None:
         op = getattr(ops, case.kernel)
-        kw = {} if case.kernel == "mamba2" else {"normalize": case.normalize, "eps": 1e-6}
+        kw = {} if case.kernel in ("mamba2", "gated_deltanet") else {"normalize": case.normalize,
+                                                                      "eps": 1e-6}
         return lambda *a: (op(*a, segment_ids=seg, impl="pallas", **kw),)
     if case.kernel == "mamba2":
         return lambda q, k, v, g: (ops.mamba2(q, k, v, g, impl="pallas"),)
     if case.kernel == "la_pallas":
         return lambda q, k, v, g, h0: kernels.la_pallas(q, k, v, g, initial_state=h0, return_final_state=True,
                                                         backend=case.backend)
+    if case.kernel == "gated_deltanet":
+        return lambda q, k, v, g, beta, h0: kernels.gated_deltanet_pallas(
+            q, k, v, g, beta, initial_state=h0, return_final_state=True)
     if case.kernel in HLA:
         return lambda *a: (getattr(ops, case.kernel)(*a, normalize=case.normalize, eps=1e-6, impl="pallas"),)
     return lambda *a: (getattr(kernels, f"{case.kernel}_pallas")(*a),)
@@ -169,13 +179,17 @@ def reference_fn(case):
     """The quadratic reference as ``f(*args) -> tuple of outputs``."""
     seg = segments(case)
     if seg is not None:  # the documents' resets, SPEC §8
-        plain = reference_fn(case._replace(gate="token"))
+        plain = (reference_fn(case._replace(gate="token")) if case.kernel != "gated_deltanet"
+                 else lambda *a: (reference.gated_deltanet(*a),))
         starts = np.asarray(common.doc_starts(seg))[..., None]
-        return lambda q, k, v, g: plain(q, k, v, jnp.where(starts, -jnp.inf, g))
+        return lambda q, k, v, g, *rest: plain(q, k, v, jnp.where(starts, -jnp.inf, g), *rest)
     if case.kernel == "mamba2":
         return lambda q, k, v, g: (reference.linear_attention(q, k, v, g),)
     if case.kernel == "la_pallas":
         return la_with_state
+    if case.kernel == "gated_deltanet" and case.gate != "docs":
+        return lambda q, k, v, g, beta, h0: ops.gated_deltanet(
+            q, k, v, g, beta, initial_state=h0, return_final_state=True, impl="recurrent")
     if case.kernel in HLA:
         def hla(q, k, v, g=None):  # the oracles take [B,T,H] gates
             g = None if g is None else jnp.broadcast_to(g, q.shape[:3])

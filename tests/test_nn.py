@@ -48,7 +48,6 @@ def make_mixer(cfg, name, seed=0):
     (dict(d_model=16, n_heads=2, head_dim=4), "n_heads \\* head_dim must equal d_model"),
     (dict(dtype="float8"), "dtype"),
     (dict(impl="fast"), "impl"),
-    (dict(impl="pallas", mixer_pattern=("hla2", "gated_deltanet")), "no kernel"),
     (dict(mixer_pattern=()), "at least one mixer"),
 ])
 def test_config_rejects_inconsistent(kw, match):

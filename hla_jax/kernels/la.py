@@ -50,14 +50,6 @@ def _default_backend(q, k, v, chunk_size):
     return "mosaic_gpu" if la_mgpu.supports(q, k, v, chunk_size) else "triton"
 
 
-def _pad_state(h0, B, H, d, dv):
-    """``h0 [B,H,·,·]`` as float32 ``[B,H,d,dv]`` (zero-padded); zeros when None."""
-    if h0 is None:
-        return jnp.zeros((B, H, d, dv), jnp.float32)
-    return jnp.pad(h0.astype(jnp.float32),
-                   ((0, 0), (0, 0), (0, d - h0.shape[2]), (0, dv - h0.shape[3])))
-
-
 def la_pallas(q, k, v, g=None, *, initial_state=None, return_final_state=False, chunk_size=64,
               backend=None, interpret=None):
     """LA via Pallas (see the module docstring) -> ``o [B,T,H,dv]`` float32, or
@@ -86,13 +78,13 @@ def la_pallas(q, k, v, g=None, *, initial_state=None, return_final_state=False, 
         Tp, dvp = (-(-n // la_mgpu.C) * la_mgpu.C for n in (T, dv))
         o, hT = la_mgpu.core(
             wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, dvp),
-            wrap.chunk_gate(g, B, H, Tp, la_mgpu.C), _pad_state(initial_state, B, H, d, dvp),
+            wrap.chunk_gate(g, B, H, Tp, la_mgpu.C), wrap.pad_state(initial_state, B, H, d, dvp),
             interpret=interpret)
     else:
         p = wrap.prepare(q, k, v, g, chunk_size=chunk_size, interpret=interpret,
                          platform="tpu" if backend == "tpu" else "gpu", **WALK_TUNING)
         stateful = initial_state is not None or return_final_state
-        h0 = _pad_state(initial_state, B, H, p.q.shape[-1], p.v.shape[-1]) if stateful else None
+        h0 = wrap.pad_state(initial_state, B, H, p.q.shape[-1], p.v.shape[-1]) if stateful else None
         o, hT = wrap.core(p.q, p.k, p.v, p.b, h0, p.cfg)
     o = o[:, :T, :, :dv]
     return (o, hT[..., :d, :dv]) if return_final_state else o

@@ -118,6 +118,14 @@ def pad(x, T: int, width: int):
     return jnp.pad(x, ((0, 0), (0, T - x.shape[1]), (0, 0), (0, width - x.shape[-1])))
 
 
+def pad_state(h0, B, H, d, dv):
+    """``h0 [B,H,·,·]`` as float32 ``[B,H,d,dv]`` (zero-padded); zeros when None."""
+    if h0 is None:
+        return jnp.zeros((B, H, d, dv), jnp.float32)
+    return jnp.pad(h0.astype(jnp.float32),
+                   ((0, 0), (0, 0), (0, d - h0.shape[2]), (0, dv - h0.shape[3])))
+
+
 def chunk_log_decay(g, c: int):
     """``[B,Tp,H]`` log-decay -> ``b [B,H,Tp]``: the cumulative sum within each chunk of ``c``."""
     B, Tp, H = g.shape

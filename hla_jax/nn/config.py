@@ -22,9 +22,6 @@ MIXERS = (
 )
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
-# mixers whose operator has impl="pallas" (softmax ignores impl: it has its own attention path)
-PALLAS_MIXERS = ("softmax", "linear", "hla2", "ahla", "hla3", "mamba2", "loglinear_mamba2",
-                 "loglinear_gated_deltanet")
 OUTPUT_GATES = ("silu", "sigmoid", "none")
 
 
@@ -127,10 +124,6 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"ModelConfig.impl must be one of {IMPLS}, got {self.impl!r}")
-        no_kernel = [m for m in self.mixer_pattern if m not in PALLAS_MIXERS]
-        if self.impl == "pallas" and no_kernel:
-            raise ValueError(f"ModelConfig.impl='pallas' needs mixers in {PALLAS_MIXERS}; "
-                             f"{sorted(set(no_kernel))} have no kernel")
         if self.seq_axis and self.impl not in SEQ_IMPLS:
             raise ValueError(f"ModelConfig.impl must be one of {SEQ_IMPLS} with seq_axis="
                              f"{self.seq_axis!r} (sequence parallelism), got {self.impl!r}")

@@ -48,7 +48,8 @@ __all__ = ["LevelState", "chunked", "combine", "gated_deltanet", "init_state", "
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
 # the entries with impl="pallas" (``common.pallas_entry``; linear_attention and mamba2: la_pallas)
-KERNELS = ("linear_attention", "mamba2", "loglinear_mamba2", "loglinear_gated_deltanet")
+KERNELS = ("linear_attention", "mamba2", "gated_deltanet", "loglinear_mamba2",
+           "loglinear_gated_deltanet")
 
 
 # --------------------------------------------------------------------------- forms
@@ -171,6 +172,16 @@ def check_state(initial_state, return_final_state, impl, seq_axis, B, H, d, dv, 
                          f"t {jnp.result_type(t)}{list(jnp.shape(t))}")
 
 
+def _kernel_takes(name, q, k, v, chunk_size) -> bool:
+    """Whether ``name``'s kernel runs these inputs here: the Gated DeltaNet kernel is Hopper's
+    (Mosaic GPU: 16-bit, ``d ∈ {64, 128}``, chunk 64); the others take any GPU input."""
+    if name != "gated_deltanet":
+        return True
+    from hla_jax.kernels import gdn
+
+    return gdn.supports(q, k, v, chunk_size)
+
+
 def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, log_levels=False,
         gate_required=True, seq_axis=None, segment_ids=None, initial_state=None,
         return_final_state=False):
@@ -207,7 +218,8 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
         raise ValueError(f"{name}: the log-linear Pallas kernels take no {given[0]}; "
                          f"impl='chunked' does")
     if (impl == "auto" and name in KERNELS and not (lam is not None and given)
-            and common.pallas_preferred(seq_axis, chunk_size, q, k, v)):
+            and common.pallas_preferred(seq_axis, chunk_size, q, k, v)
+            and _kernel_takes(name, q, k, v, chunk_size)):
         impl = "pallas"
     if impl == "pallas":  # the kernels take g=None as no decay
         extra = [x for x in (beta, lam) if x is not None]
@@ -256,8 +268,10 @@ def gated_deltanet(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
 
     Assumes L2-normalised keys (the calling layer's job) and ``beta`` in (0, 1).
     ``segment_ids [B,T]``: packed documents, the state reset (``g = -inf``) at each start.
-    ``initial_state [B,H,d,dv]`` / ``return_final_state`` (recurrent, chunked): as for
-    ``loglinear_mamba2``.
+    ``initial_state [B,H,d,dv]`` / ``return_final_state`` (recurrent, chunked, pallas): as for
+    ``loglinear_mamba2``.  ``impl="pallas"``: ``hla_jax.kernels.gated_deltanet_pallas`` (Mosaic
+    GPU: 16-bit inputs, ``d ∈ {64, 128}``, chunk 64); "auto" takes it on a Hopper GPU for bf16
+    inputs it takes, else "chunked".
     """
     return run("gated_deltanet", q, k, v, g, beta, impl=impl, chunk_size=chunk_size,
                seq_axis=seq_axis, segment_ids=segment_ids, initial_state=initial_state,

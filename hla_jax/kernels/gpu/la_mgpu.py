@@ -69,7 +69,7 @@ def supports(q, k, v, chunk_size: int) -> bool:
             and takes(q, k, v, chunk_size))
 
 
-def _smem(shape, dtype):
+def smem_tile(shape, dtype):
     """Shared memory tiled and swizzled for TMA and wgmma (the last dim is the minor one)."""
     dtype = jnp.dtype(dtype)
     swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
@@ -77,7 +77,7 @@ def _smem(shape, dtype):
         plgpu.TilingTransform((8, swizzle // dtype.itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
-def _matmul(a, b, shape, init=None, *, interpret=False):
+def matmul(a, b, shape, init=None, *, interpret=False):
     """``init + a @ b`` on the tensor cores (``a``: shared memory or 16-bit wgmma registers);
     compiled, ``init`` seeds the accumulator (the GPU interpreter cannot: it adds, and it
     multiplies register operands with ``lax.dot``).
@@ -99,27 +99,27 @@ def _matmul(a, b, shape, init=None, *, interpret=False):
     return lax.optimization_barrier(out)
 
 
-def _rows(x, shape):
+def bcast_rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _cols(x, shape):
+def bcast_cols(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
 
-def _causal_decay(b_row, b_col, shape, transpose=False):
+def causal_decay(b_row, b_col, shape, transpose=False):
     """``Γ = exp2(b_t − b_s)`` on ``s ≤ t`` and 0 elsewhere (``transpose``: ``Γᵀ``, rows ``s``);
     the exponent is masked before ``exp2``, so nothing overflows."""
     rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA)
     cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
     if transpose:
-        keep, expo = rows <= cols, _cols(b_col, shape) - _rows(b_row, shape)
+        keep, expo = rows <= cols, bcast_cols(b_col, shape) - bcast_rows(b_row, shape)
     else:
-        keep, expo = rows >= cols, _rows(b_row, shape) - _cols(b_col, shape)
+        keep, expo = rows >= cols, bcast_rows(b_row, shape) - bcast_cols(b_col, shape)
     return jnp.exp2(jnp.where(keep, expo, -jnp.inf))
 
 
-def _build(body, out_type, scratch, grid, names, interpret, name):
+def build(body, out_type, scratch, grid, names, interpret, name):
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
@@ -142,7 +142,7 @@ def walk(key, val, b2, s0, extra=(), *, mode, reverse=False, interpret=None):
     """
     B, Tp, H, d = key.shape
     dv, dt, N, nv = val.shape[-1], key.dtype, Tp // C, val.shape[-1] // BV
-    _mm = functools.partial(_matmul, interpret=bool(interpret))
+    _mm = functools.partial(matmul, interpret=bool(interpret))
     vec = plgpu.SMEM((2, C), F32)
     tile = {"k": (2, C, d), "v": (2, C, BV)}
     extras = {"state": "", "out": "k", "dq": "vk", "dkv": "kv"}[mode]  # extra tiles' widths
@@ -151,8 +151,8 @@ def walk(key, val, b2, s0, extra=(), *, mode, reverse=False, interpret=None):
     out_type = {"state": [], "out": [(B, Tp, H, dv)], "dq": [(nv, B, Tp, H, d), (nv, B, H, Tp)],
                 "dkv": [(nv, B, Tp, H, d), (B, Tp, H, dv), (nv, B, H, Tp)]}[mode]
     scratch = dict(
-        key_s=_smem(tile["k"], dt), val_s=_smem(tile["v"], dt), b_c=vec, b_r=vec,
-        x_s=[_smem(tile[w], dt) for w in extras], s_pub=_smem((BV, d), dt),
+        key_s=smem_tile(tile["k"], dt), val_s=smem_tile(tile["v"], dt), b_c=vec, b_r=vec,
+        x_s=[smem_tile(tile[w], dt) for w in extras], s_pub=smem_tile((BV, d), dt),
         # the state is loaded and stored only before and after the walk: it shares the staging
         io=plgpu.RefUnion([plgpu.SMEM((BV, d), F32)], [plgpu.SMEM(o, F32) for o in outs]),
         in_bar=plgpu.Barrier(num_arrivals=4 + len(extras), num_barriers=2), s_bar=plgpu.Barrier())
@@ -185,26 +185,26 @@ def walk(key, val, b2, s0, extra=(), *, mode, reverse=False, interpret=None):
         def readout(slot, b_row, b_col):
             """This chunk's readout tiles from ``s_pub`` (the 16-bit state) and the slot."""
             x = [buf.at[slot] for buf in x_s]
-            rho = _rows(jnp.exp2(b_row), (C, d if mode != "out" else BV))
+            rho = bcast_rows(jnp.exp2(b_row), (C, d if mode != "out" else BV))
             if mode == "out":    # diag(ρ) Q S + ((Q Kᵀ) ∘ Γ) V
                 (q,) = x
-                p = _mm(q, key_s.at[slot].T, (C, C)) * _causal_decay(b_row, b_col, (C, C))
+                p = _mm(q, key_s.at[slot].T, (C, C)) * causal_decay(b_row, b_col, (C, C))
                 o = _mm(q, s_pub.T, (C, BV)) * rho
                 return [_mm(p.astype(dt), val_s.at[slot], (C, BV), init=o)]
             if mode == "dq":     # diag(ρ) dO Sᵀ + ((dO Vᵀ) ∘ Γ) K
                 do, q = x
-                ds = _mm(do, val_s.at[slot].T, (C, C)) * _causal_decay(b_row, b_col, (C, C))
+                ds = _mm(do, val_s.at[slot].T, (C, C)) * causal_decay(b_row, b_col, (C, C))
                 dq = _mm(do, s_pub, (C, d)) * rho
                 inter = (dq * plgpu.load(q, layout=WGMMA).astype(F32)).sum(1)
                 return [_mm(ds.astype(dt), key_s.at[slot], (C, d), init=dq), inter]
             k, v = x             # dK, dV from the cotangent dS (key_s = Q, val_s = dO)
             gam = jnp.exp2(b_r[slot, C - 1] - b_row)
-            dst = _mm(v, val_s.at[slot].T, (C, C)) * _causal_decay(b_row, b_col, (C, C), True)
-            dk = _mm(v, s_pub, (C, d)) * _rows(gam, (C, d))
+            dst = _mm(v, val_s.at[slot].T, (C, C)) * causal_decay(b_row, b_col, (C, C), True)
+            dk = _mm(v, s_pub, (C, d)) * bcast_rows(gam, (C, d))
             inter = (dk * plgpu.load(k, layout=WGMMA).astype(F32)).sum(1)
             dk = _mm(dst.astype(dt), key_s.at[slot], (C, d), init=dk)
-            pt = _mm(k, key_s.at[slot].T, (C, C)) * _causal_decay(b_row, b_col, (C, C), True)
-            dv_ = _mm(k, s_pub.T, (C, BV)) * _rows(gam, (C, BV))
+            pt = _mm(k, key_s.at[slot].T, (C, C)) * causal_decay(b_row, b_col, (C, C), True)
+            dv_ = _mm(k, s_pub.T, (C, BV)) * bcast_rows(gam, (C, BV))
             return [dk, _mm(pt.astype(dt), val_s.at[slot], (C, BV), init=dv_), inter]
 
         def step(i, s_t):
@@ -238,7 +238,7 @@ def walk(key, val, b2, s0, extra=(), *, mode, reverse=False, interpret=None):
                 plgpu.commit_smem_to_gmem_group()
             w = jnp.exp2(b_col) if reverse else jnp.exp2(b_last - b_col)  # ρ or γ, per token
             vw = plgpu.load(val_s.at[slot].T, layout=WGMMA).astype(F32)
-            vw = (vw * _cols(w, (BV, C))).astype(dt)
+            vw = (vw * bcast_cols(w, (BV, C))).astype(dt)
             return _mm(vw, key_s.at[slot], (BV, d), init=s_t * jnp.exp2(b_last))
 
         s_t = lax.fori_loop(0, N, step, s_init)
@@ -250,7 +250,7 @@ def walk(key, val, b2, s0, extra=(), *, mode, reverse=False, interpret=None):
 
     out_type = [jax.ShapeDtypeStruct(s, F32) for s in out_type + [(B, H, dv, d)]]
     name = f"la_walk_{mode}" + "_rev" * reverse
-    return _build(body, out_type, scratch, (B, H, nv), ("b", "h", "v"), interpret, name)(
+    return build(body, out_type, scratch, (B, H, nv), ("b", "h", "v"), interpret, name)(
         key, val, b2, s0, *extra)
 
 

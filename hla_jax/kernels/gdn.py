@@ -1,0 +1,165 @@
+"""``gated_deltanet_pallas``: first-order Gated DeltaNet through the Mosaic GPU chunk walks.
+
+    o_t = q_tᵀ S_t,   S_t = a_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,   S_{−1} = H0
+
+(``ops.gated_deltanet``; ``q, k [B,T,H,d]``, keys L2-normalised by the caller, ``v [B,T,H,dv]``,
+``g = log a`` and ``beta [B,T,H]``, ``initial_state`` ``H0 [B,H,d,dv]``).  Per chunk of 64 tokens
+(SPEC §4, "Gated DeltaNet chunk form"), parallel over chunks in XLA (``ut``): the UT transform
+``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)``, ``W = T (ρ∘K)``, ``U = T V``; then one
+walk over the chunks (``kernels/gpu/gdn_mgpu.py``) reads ``V' = U − W S``, the outputs and the
+state.  The backward is a reverse walk (``dV'``, ``dK``, the state cotangent), a forward walk
+(``dQ``, ``dW``) and the VJP of ``ut``.
+
+The gate needs no walk of its own: in ``S̃_t = e^{−G_t} S_t`` (``G`` the cumulative log-decay) the
+recurrence reads ``S̃_t = (I − β k kᵀ) S̃_{t−1} + β k (e^{−G_t} v_t)ᵀ`` and ``o_t = S̃_tᵀ (e^{G_t} q_t)``,
+so ``∂L/∂G_t = q_t·∂L/∂q_t − v_t·∂L/∂v_t`` (plus ``⟨H_T, ∂L/∂H_T⟩`` at the last token) and
+``∂L/∂g_t = Σ_{t'≥t} ∂L/∂G_{t'}``; the part after ``t``'s chunk is one inner product at the
+chunk boundary, carried back from the end by per-chunk terms of the walks (``_gate_grad``), so
+16-bit noise does not add up over the sequence.
+
+Takes 16-bit ``q, k, v`` of one dtype with ``d ∈ {64, 128}`` and chunk 64 (Hopper's ``wgmma``);
+``T`` and ``dv`` are zero-padded to multiples of 64; log-decays are floored at
+``wrap.LOG_DECAY_FLOOR`` (a reset ``g = -inf`` stays finite).  On CPU it runs in the Mosaic GPU
+interpreter.  There is no TPU or float32 kernel: ``ops.gated_deltanet(impl="chunked")`` serves
+those.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+from hla_jax.kernels import wrap
+from hla_jax.kernels.gpu import gdn_mgpu, la_mgpu
+from hla_jax.kernels.gpu.la_mgpu import C, F32, LOG2E
+from hla_jax.ops.common import check_gate, check_per_token, check_qkv
+
+
+def _chunks(x):
+    """``[B,Tp,H,...] -> [B,H,N,C,...]``."""
+    B, Tp, H = x.shape[:3]
+    return jnp.moveaxis(x.reshape((B, Tp // C, C, H) + x.shape[3:]), 3, 1)
+
+
+def _tokens(x):
+    """``[B,H,N,C,...] -> [B,Tp,H,...]``."""
+    B, H, N = x.shape[:3]
+    return jnp.moveaxis(x, 1, 3).reshape((B, N * C, H) + x.shape[4:])
+
+
+def ut(k, v, beta, b):
+    """``(W = T(ρ∘K), U = T V)`` float32 ``[B,Tp,H,·]`` of every chunk (module docstring), from
+    ``k [B,Tp,H,d]``, ``v [B,Tp,H,dv]``, ``beta [B,Tp,H]`` and the chunk-local cumulative
+    log-decay ``b [B,H,Tp]``."""
+    K, V, Be = (_chunks(x.astype(F32)) for x in (k, v, beta))
+    B, H, N = K.shape[:3]
+    bb = b.reshape(B, H, N, C)
+    lower = jnp.tril(jnp.ones((C, C), bool), -1)
+    Gam = jnp.exp(jnp.where(lower, bb[..., :, None] - bb[..., None, :], -jnp.inf))
+    A = Be[..., :, None] * (K @ jnp.swapaxes(K, -1, -2)) * Gam
+    eye = jnp.eye(C, dtype=F32)
+    T = solve_triangular(eye + A, eye * Be[..., None, :], lower=True, unit_diagonal=True)
+    return _tokens(T @ (jnp.exp(bb)[..., None] * K)), _tokens(T @ V)
+
+
+def _t(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _local(g):
+    """``g [B,Tp,H]`` (floored) -> ``b [B,H,Tp]``, its cumulative sum within each chunk."""
+    return wrap.chunk_log_decay(g, C)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def core(q, k, v, beta, g, h0, interpret=None):
+    """``(O [B,Tp,H,dv], H_T [B,H,d,dv])`` float32 on padded inputs: ``g [B,Tp,H]`` floored
+    log-decays, ``beta [B,Tp,H]``, ``h0 [B,H,d,dv]`` float32."""
+    return _forward(q, k, v, beta, g, h0, interpret)[:2]
+
+
+def _forward(q, k, v, beta, g, h0, interpret):
+    b = _local(g)
+    w, u = ut(k, v, beta, b)
+    o, vn, sT = gdn_mgpu.walk(b * LOG2E, _t(h0), (q, k, w.astype(q.dtype), u.astype(q.dtype)),
+                              mode="out", interpret=interpret)
+    return o, _t(sT), vn
+
+
+def _core_fwd(q, k, v, beta, g, h0, interpret):
+    o, hT, vn = _forward(q, k, v, beta, g, h0, interpret)
+    return (o, hT), (q, k, v, beta, g, h0, vn, hT)
+
+
+def _core_bwd(interpret, res, cts):
+    q, k, v, beta, g, h0, vn, hT = res
+    do, dhT = cts
+    dt = q.dtype
+    b = _local(g)
+    b2, do = b * LOG2E, do.astype(dt)
+    (w, _), ut_vjp = jax.vjp(lambda k, v, beta: ut(k, v, beta, b), k, v, beta)
+    du, dk, vkds, dh0 = gdn_mgpu.walk(b2, _t(dhT), (q, k, w.astype(dt), do, vn), mode="rev",
+                                      interpret=interpret)
+    dq, dw, qdq, _ = gdn_mgpu.walk(b2, _t(h0), (k, vn, do, du.astype(dt), q), mode="dq",
+                                   interpret=interpret)
+    dw = dw.sum(0)
+    dk_ut, dv, dbeta = ut_vjp((dw, du))
+    dq, dk = dq.sum(0), dk.sum(0) + dk_ut
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbeta.astype(beta.dtype),
+            _gate_grad(q, v, dq, dv, w, dw, qdq.sum(0) - vkds.sum(0), hT, dhT), _t(dh0))
+
+
+def _gate_grad(q, v, dq, dv, w, dw, walk_sums, hT, dhT):
+    """``∂L/∂g_t = Σ_{t'≥t} ∂L/∂G_{t'}`` (module docstring), summed inside the chunk and taken
+    exactly across it: ``X_n = ⟨S_{n+1}, ∂L/∂S_{n+1}⟩`` (the state leaving chunk ``n``) obeys
+    ``X_{n−1} = X_n + Σ_{t∈n} (q·dq_inter + w·dw − V'·(γ̄ k dS))_t`` from ``X_{N−1} = ⟨H_T, ∂L/∂H_T⟩``;
+    ``walk_sums [B,H,Tp]`` holds the walks' two per-token terms."""
+    B, Tp, H = q.shape[:3]
+    dG = jnp.sum(q.astype(F32) * dq, -1) - jnp.sum(v.astype(F32) * dv, -1)     # [B,Tp,H]
+    dG = jnp.swapaxes(dG, 1, 2).reshape(B, H, Tp // C, C)
+    local = (walk_sums + jnp.swapaxes(jnp.sum(w * dw, -1), 1, 2)).reshape(B, H, Tp // C, C).sum(-1)
+    after = jnp.cumsum(local[..., ::-1], -1)[..., ::-1] - local                 # Σ_{m>n}
+    X = jnp.sum(hT * dhT, (-2, -1))[..., None] + after                          # [B,H,N]
+    dg = jnp.cumsum(dG[..., ::-1], -1)[..., ::-1] + X[..., None]
+    return jnp.swapaxes(dg.reshape(B, H, Tp), 1, 2)
+
+
+core.defvjp(_core_fwd, _core_bwd)
+
+
+def supports(q, k, v, chunk_size: int) -> bool:
+    """Whether the kernel runs these inputs compiled here (``la_mgpu.supports``: a Hopper GPU)."""
+    return la_mgpu.supports(q, k, v, chunk_size)
+
+
+def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_state=False,
+                          chunk_size=64, interpret=None):
+    """Gated DeltaNet via the Mosaic GPU walks (module docstring) -> ``o [B,T,H,dv]`` float32,
+    or ``(o, final_state [B,H,d,dv] float32)`` when ``return_final_state``.
+
+    ``g``: log-decay ``[B,T,H]`` (or ``[H]``); ``beta [B,T,H]``; ``initial_state [B,H,d,dv]`` or
+    None (zeros); ``interpret=None`` runs compiled on a GPU and in the interpreter on CPU.
+    """
+    name = "gated_deltanet_pallas"
+    B, T, H, d, dv = check_qkv(q, k, v, name=name)
+    g = check_gate(g, B, T, H, name=name, required=True)
+    beta = check_per_token(beta, B, T, H, "beta", name=name)
+    if not la_mgpu.takes(q, k, v, chunk_size):
+        raise ValueError(
+            f"{name}: takes 16-bit q, k, v of one dtype with head dim in {la_mgpu.HEAD_DIMS} and "
+            f"chunk_size={C}; got {q.dtype}/{k.dtype}/{v.dtype}, d={d}, chunk_size={chunk_size!r} "
+            f"(ops.gated_deltanet(impl='chunked') takes any)")
+    if initial_state is not None and jnp.shape(initial_state) != (B, H, d, dv):
+        raise ValueError(f"{name}: initial_state must have shape [B,H,d,dv]={(B, H, d, dv)}, got "
+                         f"{jnp.shape(initial_state)}")
+    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    Tp, dvp = (-(-n // C) * C for n in (T, dv))
+    per_token = lambda x: jnp.pad(x.astype(F32), ((0, 0), (0, Tp - T), (0, 0)))  # noqa: E731
+    o, hT = core(wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, dvp), per_token(beta),
+                 jnp.maximum(per_token(g), wrap.LOG_DECAY_FLOOR),
+                 wrap.pad_state(initial_state, B, H, d, dvp), interpret)
+    o = o[:, :T, :, :dv]
+    return (o, hT[..., :dv]) if return_final_state else o

@@ -1,0 +1,102 @@
+"""The first-order Gated DeltaNet kernel (``kernels/gdn.py`` over ``kernels/gpu/gdn_mgpu.py``) on
+this CPU: the Mosaic GPU walks in the GPU interpreter against the float32 recurrence (outputs,
+final state and every gradient: q, k, v, g, β, the initial state), with a ragged T, value tiles
+padded, a reset gate, packed documents through ``ops.gated_deltanet(impl="pallas")``, the entry's
+refusals, and the lowering for CUDA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close
+
+from hla_jax import ops
+from hla_jax.kernels import gated_deltanet_pallas, gdn
+
+TOL = 2e-2  # SPEC §6: bf16 inputs with float32 state
+
+
+def operands(rng, B, T, H, d, dv):
+    q = rng.normal(size=(B, T, H, d)) / np.sqrt(d)
+    k = rng.normal(size=(B, T, H, d))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, rng.normal(size=(B, T, H, dv)))]
+    g = jnp.asarray(-rng.uniform(0, 0.3, (B, T, H)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.float32)
+    h0 = jnp.asarray(0.3 * rng.normal(size=(B, H, d, dv)), jnp.float32)
+    return (*bf, g, beta, h0)
+
+
+def kernel(q, k, v, g, beta, h0):
+    return gated_deltanet_pallas(q, k, v, g, beta, initial_state=h0, return_final_state=True,
+                                 interpret=True)
+
+
+def oracle(q, k, v, g, beta, h0):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return ops.gated_deltanet(*f32, g, beta, initial_state=h0, return_final_state=True,
+                              impl="recurrent")
+
+
+@pytest.mark.parametrize("B,T,H,d,dv,reset", [
+    (1, 150, 2, 64, 96, False),    # three chunks (the last ragged), values padded to two tiles
+    (2, 128, 1, 128, 64, True),    # head dim 128, a −∞ gate mid-chunk and at a chunk start
+])
+def test_matches_recurrence(rng, B, T, H, d, dv, reset):
+    args = list(operands(rng, B, T, H, d, dv))
+    if reset:
+        args[3] = args[3].at[0, 40, 0].set(-jnp.inf).at[1, 64, 0].set(-jnp.inf)
+    for a, b, what in zip(kernel(*args), oracle(*args), ("o", "H_T")):
+        assert_close(a, b, TOL, what)
+    wo = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.float32)
+    wh = jnp.asarray(rng.normal(size=(B, H, d, dv)), jnp.float32)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a)[0] * wo) + jnp.sum(fn(*a)[1] * wh)
+
+    got = jax.grad(loss(kernel), argnums=range(6))(*args)
+    want = jax.grad(loss(oracle), argnums=range(6))(*args)
+    for a, b, what in zip(got, want, ("dq", "dk", "dv", "dg", "dbeta", "dh0")):
+        assert_close(a, b, TOL, what)
+
+
+def test_packed_documents_equal_the_documents_alone(rng):
+    """``ops.gated_deltanet(impl="pallas", segment_ids=…)`` (the reset gate into the kernel)
+    equals the quadratic reference of the packed row."""
+    q, k, v, g, beta, _ = operands(rng, 1, 100, 2, 64, 64)
+    seg = jnp.asarray(np.repeat(np.arange(4), [30, 1, 50, 19])[None])
+    o = ops.gated_deltanet(q, k, v, g, beta, segment_ids=seg, impl="pallas")
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    assert_close(o, ops.gated_deltanet(*f32, g, beta, segment_ids=seg, impl="reference"), TOL)
+
+
+def test_entry_refuses_what_the_kernel_does_not_take(rng):
+    q, k, v, g, beta, h0 = operands(rng, 1, 64, 1, 64, 64)
+    with pytest.raises(ValueError, match="16-bit"):
+        gated_deltanet_pallas(q.astype(jnp.float32), k, v, g, beta)
+    with pytest.raises(ValueError, match="chunk_size"):
+        gated_deltanet_pallas(q, k, v, g, beta, chunk_size=32)
+    with pytest.raises(ValueError, match="initial_state"):
+        gated_deltanet_pallas(q, k, v, g, beta, initial_state=h0[..., :8])
+    with pytest.raises(ValueError, match="beta"):
+        gated_deltanet_pallas(q, k, v, g, beta[..., None])
+    assert not gdn.supports(q, k, v, 64)   # no Hopper GPU here: impl="auto" stays chunked
+
+
+def test_lowers_for_cuda():
+    """Forward and backward (all three walks) go through the Mosaic GPU lowering for head dims
+    64 and 128 and one or two value tiles."""
+    for d, dv in ((64, 64), (128, 128)):
+        x = jax.ShapeDtypeStruct((2, 256, 3, d), jnp.bfloat16)
+        v = jax.ShapeDtypeStruct((2, 256, 3, dv), jnp.bfloat16)
+        s = jax.ShapeDtypeStruct((2, 256, 3), jnp.float32)
+        h0 = jax.ShapeDtypeStruct((2, 3, d, dv), jnp.float32)
+
+        def loss(q, k, v, beta, g, h0):
+            o, hT = gdn.core(q, k, v, beta, g, h0, False)
+            return jnp.sum(o) + jnp.sum(hT)
+
+        text = jax.jit(jax.grad(loss, argnums=range(6))).trace(x, x, v, s, s, h0).lower(
+            lowering_platforms=("cuda",)).as_text()
+        for mode in ("out", "rev", "dq"):
+            assert f"gdn_walk_{mode}" in text, mode
