@@ -1,5 +1,5 @@
-"""Where the Gated DeltaNet kernel's time goes, on a Hopper GPU: the XLA UT transform
-(``kernels.gdn.ut``, forward and its VJP, which recomputes the forward) and each Mosaic GPU walk
+"""Where the Gated DeltaNet kernel's time goes, on a Hopper GPU: the UT transform
+(``kernels/gpu/gdn_ut.py``, forward and backward) and each Mosaic GPU walk
 (``kernels/gpu/gdn_mgpu.py``: ``out`` forward, ``rev`` and ``dq`` backward), median ms.
 
     python experiments/bench_gdn_parts.py [--T 8192] [--tokens 65536] [--out DIR]
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from bench_kernels import Shape, inputs, timeit
-from hla_jax.kernels import gdn, wrap
-from hla_jax.kernels.gpu import gdn_mgpu
+from hla_jax.kernels import wrap
+from hla_jax.kernels.gpu import gdn_mgpu, gdn_ut
 
 
 def main(argv=None):
@@ -31,21 +31,18 @@ def main(argv=None):
     a = p.parse_args(argv)
     B, T = max(a.tokens // a.T, 1), a.T
     q, k, v, g, beta, _, w = inputs(B, T, Shape())
-    beta = beta.astype(jnp.float32)
+    beta = jnp.swapaxes(beta, 1, 2).astype(jnp.float32)
     b = wrap.chunk_log_decay(g, gdn_mgpu.C)
     b2 = b * math.log2(math.e)
     h0 = jnp.zeros((B, q.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
-    ut = jax.jit(gdn.ut)
-    ut_vjp = jax.jit(lambda k, v, beta, b, dw, du: jax.vjp(
-        lambda k, v, beta: gdn.ut(k, v, beta, b), k, v, beta)[1]((dw, du)))
+    ut, ut_bwd = gdn_ut.forward, gdn_ut.backward
     walk = {m: jax.jit(lambda b2, *x, m=m: gdn_mgpu.walk(b2, h0, x, mode=m))
             for m in gdn_mgpu.TILES}
-    wf, uf = ut(k, v, beta, b)
-    w16, u16 = wf.astype(q.dtype), uf.astype(q.dtype)
+    w16, u16 = ut(k, v, b, beta)
     _, vn, _ = walk["out"](b2, q, k, w16, u16)
     du = walk["rev"](b2, q, k, w16, w, vn)[0].astype(q.dtype)   # w: a bf16 stand-in for dO
-    row = dict(device=jax.devices()[0].device_kind, B=B, T=T, ut_fwd=timeit(ut, k, v, beta, b),
-               ut_vjp=timeit(ut_vjp, k, v, beta, b, wf, uf),
+    row = dict(device=jax.devices()[0].device_kind, B=B, T=T, ut_fwd=timeit(ut, k, v, b, beta),
+               ut_bwd=timeit(ut_bwd, k, v, b, beta, w16.astype(jnp.float32), du),
                walk_out=timeit(walk["out"], b2, q, k, w16, u16),
                walk_rev=timeit(walk["rev"], b2, q, k, w16, w, vn),
                walk_dq=timeit(walk["dq"], b2, k, vn, w, du, q))

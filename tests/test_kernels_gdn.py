@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, lower_for
 
 from hla_jax import ops
 from hla_jax.kernels import gated_deltanet_pallas, gdn
@@ -84,8 +84,8 @@ def test_entry_refuses_what_the_kernel_does_not_take(rng):
 
 
 def test_lowers_for_cuda():
-    """Forward and backward (all three walks) go through the Mosaic GPU lowering for head dims
-    64 and 128 and one or two value tiles."""
+    """Forward and backward (the three Mosaic GPU walks, the Triton UT transform and its
+    backward) go through the real lowering for head dims 64 and 128, one or two value tiles."""
     for d, dv in ((64, 64), (128, 128)):
         x = jax.ShapeDtypeStruct((2, 256, 3, d), jnp.bfloat16)
         v = jax.ShapeDtypeStruct((2, 256, 3, dv), jnp.bfloat16)
@@ -96,7 +96,31 @@ def test_lowers_for_cuda():
             o, hT = gdn.core(q, k, v, beta, g, h0, False)
             return jnp.sum(o) + jnp.sum(hT)
 
-        text = jax.jit(jax.grad(loss, argnums=range(6))).trace(x, x, v, s, s, h0).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = lower_for("cuda", jax.grad(loss, argnums=range(6)), x, x, v, s, s, h0)
         for mode in ("out", "rev", "dq"):
             assert f"gdn_walk_{mode}" in text, mode
+        assert text.count("__gpu$xla.gpu.triton") >= 3, "the UT transform, again, its backward"
+
+
+def test_ut_backward_is_the_vjp_of_ut_forward(rng):
+    """One chunk's UT transform (``kernels/gdn_chunk.py``) in float64: the hand-written backward
+    equals autodiff of the forward (``b`` fixed), and ``W, U`` solve ``(I + A) [W | U] = diag(β)
+    [ρ∘K | V]``."""
+    from hla_jax.kernels import gdn_chunk
+
+    c, d, dv = 16, 8, 5
+    with jax.enable_x64(True):
+        K = jnp.asarray(rng.normal(size=(c, d)) / np.sqrt(d))
+        V = jnp.asarray(rng.normal(size=(c, dv)))
+        bb = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.3, c)))
+        beta = jnp.asarray(rng.uniform(0.1, 0.9, c))
+        W, U = gdn_chunk.ut_forward(K, V, bb, beta)
+        Gam = jnp.tril(jnp.exp(bb[:, None] - bb[None, :]), -1)
+        A = beta[:, None] * (K @ K.T) * Gam
+        rhs = beta[:, None] * jnp.concatenate([jnp.exp(bb)[:, None] * K, V], 1)
+        assert_close(jnp.concatenate([W, U], 1), jnp.linalg.solve(jnp.eye(c) + A, rhs), 1e-12)
+        dW, dU = jnp.asarray(rng.normal(size=(c, d))), jnp.asarray(rng.normal(size=(c, dv)))
+        _, vjp = jax.vjp(lambda K, V, beta: gdn_chunk.ut_forward(K, V, bb, beta), K, V, beta)
+        for a, b, what in zip(gdn_chunk.ut_backward(K, V, bb, beta, dW, dU), vjp((dW, dU)),
+                              ("dK", "dV", "dbeta")):
+            assert_close(a, b, 1e-12, what)

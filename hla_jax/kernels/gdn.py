@@ -4,11 +4,12 @@
 
 (``ops.gated_deltanet``; ``q, k [B,T,H,d]``, keys L2-normalised by the caller, ``v [B,T,H,dv]``,
 ``g = log a`` and ``beta [B,T,H]``, ``initial_state`` ``H0 [B,H,d,dv]``).  Per chunk of 64 tokens
-(SPEC §4, "Gated DeltaNet chunk form"), parallel over chunks in XLA (``ut``): the UT transform
-``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)``, ``W = T (ρ∘K)``, ``U = T V``; then one
-walk over the chunks (``kernels/gpu/gdn_mgpu.py``) reads ``V' = U − W S``, the outputs and the
-state.  The backward is a reverse walk (``dV'``, ``dK``, the state cotangent), a forward walk
-(``dQ``, ``dW``) and the VJP of ``ut``.
+(SPEC §4, "Gated DeltaNet chunk form"), parallel over chunks (``kernels/gpu/gdn_ut.py``, Triton,
+over ``kernels/gdn_chunk.py``): the UT transform ``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)``,
+``W = T (ρ∘K)``, ``U = T V``; then one walk over the chunks (``kernels/gpu/gdn_mgpu.py``, Mosaic
+GPU) reads ``V' = U − W S``, the outputs and the state.  The backward is a reverse walk (``dV'``,
+``dK``, the state cotangent), a forward walk (``dQ``, ``dW``) and the UT transform's backward
+(chunk-parallel again).
 
 The gate needs no walk of its own: in ``S̃_t = e^{−G_t} S_t`` (``G`` the cumulative log-decay) the
 recurrence reads ``S̃_t = (I − β k kᵀ) S̃_{t−1} + β k (e^{−G_t} v_t)ᵀ`` and ``o_t = S̃_tᵀ (e^{G_t} q_t)``,
@@ -18,7 +19,7 @@ chunk boundary, carried back from the end by per-chunk terms of the walks (``_ga
 16-bit noise does not add up over the sequence.
 
 Takes 16-bit ``q, k, v`` of one dtype with ``d ∈ {64, 128}`` and chunk 64 (Hopper's ``wgmma``);
-``T`` and ``dv`` are zero-padded to multiples of 64; log-decays are floored at
+``T`` is zero-padded to a multiple of 64 and ``dv`` to a power of two >= 64; log-decays are floored at
 ``wrap.LOG_DECAY_FLOOR`` (a reset ``g = -inf`` stays finite).  On CPU it runs in the Mosaic GPU
 interpreter.  There is no TPU or float32 kernel: ``ops.gated_deltanet(impl="chunked")`` serves
 those.
@@ -30,39 +31,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from hla_jax.kernels import wrap
-from hla_jax.kernels.gpu import gdn_mgpu, la_mgpu
+from hla_jax.kernels.gpu import gdn_mgpu, gdn_ut, la_mgpu
 from hla_jax.kernels.gpu.la_mgpu import C, F32, LOG2E
 from hla_jax.ops.common import check_gate, check_per_token, check_qkv
-
-
-def _chunks(x):
-    """``[B,Tp,H,...] -> [B,H,N,C,...]``."""
-    B, Tp, H = x.shape[:3]
-    return jnp.moveaxis(x.reshape((B, Tp // C, C, H) + x.shape[3:]), 3, 1)
-
-
-def _tokens(x):
-    """``[B,H,N,C,...] -> [B,Tp,H,...]``."""
-    B, H, N = x.shape[:3]
-    return jnp.moveaxis(x, 1, 3).reshape((B, N * C, H) + x.shape[4:])
-
-
-def ut(k, v, beta, b):
-    """``(W = T(ρ∘K), U = T V)`` float32 ``[B,Tp,H,·]`` of every chunk (module docstring), from
-    ``k [B,Tp,H,d]``, ``v [B,Tp,H,dv]``, ``beta [B,Tp,H]`` and the chunk-local cumulative
-    log-decay ``b [B,H,Tp]``."""
-    K, V, Be = (_chunks(x.astype(F32)) for x in (k, v, beta))
-    B, H, N = K.shape[:3]
-    bb = b.reshape(B, H, N, C)
-    lower = jnp.tril(jnp.ones((C, C), bool), -1)
-    Gam = jnp.exp(jnp.where(lower, bb[..., :, None] - bb[..., None, :], -jnp.inf))
-    A = Be[..., :, None] * (K @ jnp.swapaxes(K, -1, -2)) * Gam
-    eye = jnp.eye(C, dtype=F32)
-    T = solve_triangular(eye + A, eye * Be[..., None, :], lower=True, unit_diagonal=True)
-    return _tokens(T @ (jnp.exp(bb)[..., None] * K)), _tokens(T @ V)
 
 
 def _t(x):
@@ -81,11 +54,15 @@ def core(q, k, v, beta, g, h0, interpret=None):
     return _forward(q, k, v, beta, g, h0, interpret)[:2]
 
 
+def _heads_first(x):
+    """``[B,Tp,H] -> [B,H,Tp]`` float32."""
+    return jnp.swapaxes(x, 1, 2).astype(F32)
+
+
 def _forward(q, k, v, beta, g, h0, interpret):
     b = _local(g)
-    w, u = ut(k, v, beta, b)
-    o, vn, sT = gdn_mgpu.walk(b * LOG2E, _t(h0), (q, k, w.astype(q.dtype), u.astype(q.dtype)),
-                              mode="out", interpret=interpret)
+    w, u = gdn_ut.forward(k, v, b, _heads_first(beta), interpret=bool(interpret))
+    o, vn, sT = gdn_mgpu.walk(b * LOG2E, _t(h0), (q, k, w, u), mode="out", interpret=interpret)
     return o, _t(sT), vn
 
 
@@ -97,19 +74,21 @@ def _core_fwd(q, k, v, beta, g, h0, interpret):
 def _core_bwd(interpret, res, cts):
     q, k, v, beta, g, h0, vn, hT = res
     do, dhT = cts
-    dt = q.dtype
-    b = _local(g)
+    dt, tri = q.dtype, bool(interpret)
+    b, beta_h = _local(g), _heads_first(beta)
     b2, do = b * LOG2E, do.astype(dt)
-    (w, _), ut_vjp = jax.vjp(lambda k, v, beta: ut(k, v, beta, b), k, v, beta)
-    du, dk, vkds, dh0 = gdn_mgpu.walk(b2, _t(dhT), (q, k, w.astype(dt), do, vn), mode="rev",
+    w, _ = gdn_ut.forward(k, v, b, beta_h, interpret=tri)
+    du, dk, vkds, dh0 = gdn_mgpu.walk(b2, _t(dhT), (q, k, w, do, vn), mode="rev",
                                       interpret=interpret)
     dq, dw, qdq, _ = gdn_mgpu.walk(b2, _t(h0), (k, vn, do, du.astype(dt), q), mode="dq",
                                    interpret=interpret)
     dw = dw.sum(0)
-    dk_ut, dv, dbeta = ut_vjp((dw, du))
+    dk_ut, dv, dbeta = gdn_ut.backward(k, v, b, beta_h, dw, du, interpret=tri)
     dq, dk = dq.sum(0), dk.sum(0) + dk_ut
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbeta.astype(beta.dtype),
-            _gate_grad(q, v, dq, dv, w, dw, qdq.sum(0) - vkds.sum(0), hT, dhT), _t(dh0))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
+            _gate_grad(q, v, dq, dv, w.astype(F32), dw, qdq.sum(0) - vkds.sum(0), hT, dhT),
+            _t(dh0))
 
 
 def _gate_grad(q, v, dq, dv, w, dw, walk_sums, hT, dhT):
@@ -156,7 +135,7 @@ def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_
         raise ValueError(f"{name}: initial_state must have shape [B,H,d,dv]={(B, H, d, dv)}, got "
                          f"{jnp.shape(initial_state)}")
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-    Tp, dvp = (-(-n // C) * C for n in (T, dv))
+    Tp, dvp = -(-T // C) * C, wrap.pow2_at_least(max(dv, C))
     per_token = lambda x: jnp.pad(x.astype(F32), ((0, 0), (0, Tp - T), (0, 0)))  # noqa: E731
     o, hT = core(wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, dvp), per_token(beta),
                  jnp.maximum(per_token(g), wrap.LOG_DECAY_FLOOR),

@@ -33,7 +33,7 @@ from hla_jax.kernels.la_chunk import F32, at_end, decays, dot
 from hla_jax.kernels.loglinear_chunk import level_sums, level_table, level_weights
 
 
-def _tri_dot(a, b, fast: bool, ta: bool = False, tb: bool = False):
+def tri_dot(a, b, fast: bool, ta: bool = False, tb: bool = False):
     """``op(a) @ op(b)`` on float32 operands (float64 stays float64): TF32 when ``fast``."""
     acc = jnp.result_type(F32, a.dtype)
     prec = jax.lax.Precision.DEFAULT if fast else jax.lax.Precision.HIGHEST
@@ -50,13 +50,13 @@ def unit_lower_inverse(A, fast: bool = False):
         jnp.int32, (c, c), 1)
     X, P, terms = jnp.where(eye, 1.0, 0.0).astype(A.dtype) - A, A, 2
     while terms < c:
-        P = _tri_dot(P, P, fast)
-        X = X + _tri_dot(X, P, fast)
+        P = tri_dot(P, P, fast)
+        X = X + tri_dot(X, P, fast)
         terms *= 2
     return X
 
 
-def _strict(c):
+def strict_lower(c):
     """Strictly lower-triangular mask ``[c, c]``."""
     return jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) > jax.lax.broadcasted_iota(
         jnp.int32, (c, c), 1)
@@ -68,7 +68,7 @@ def ut_forward(Q, K, V, bb, beta, lam):
     dt = Q.dtype
     r, _, _, Gam, _ = decays(bb)
     c = Q.shape[0]
-    A = jnp.where(_strict(c), beta[:, None] * dot(K, K, tb=True) * Gam, 0.0)
+    A = jnp.where(strict_lower(c), beta[:, None] * dot(K, K, tb=True) * Gam, 0.0)
     Tm = (unit_lower_inverse(A, dt == jnp.bfloat16) * beta[None, :]).astype(dt)
     W = dot(Tm, (r[:, None] * K).astype(dt))
     U = dot(Tm, V)
@@ -85,7 +85,7 @@ def ut_backward(Q, K, V, bb, beta, lam, dQh, dW, dU, dO):
     fast = dt == jnp.bfloat16
     c = Q.shape[0]
     r, _, _, Gam, _ = decays(bb)
-    strict, lev = _strict(c), level_table(c)
+    strict, lev = strict_lower(c), level_table(c)
     KK = dot(K, K, tb=True)
     A = jnp.where(strict, beta[:, None] * KK * Gam, 0.0)
     X = unit_lower_inverse(A, fast)
@@ -108,7 +108,7 @@ def ut_backward(Q, K, V, bb, beta, lam, dQh, dW, dU, dO):
     dKr = dot(Tm_, dWt, ta=True)
     dPG = (dP * Gam).astype(dt)
     dbeta = jnp.sum(X * dTm, axis=0)
-    dA = -_tri_dot(_tri_dot(X, dTm * beta[None, :], fast, ta=True), X, fast, tb=True)
+    dA = -tri_dot(tri_dot(X, dTm * beta[None, :], fast, ta=True), X, fast, tb=True)
     dA = jnp.where(strict, dA, 0.0)
     E = dA * Gam
     dbeta = dbeta + jnp.sum(E * KK, axis=1)
