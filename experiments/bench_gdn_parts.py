@@ -17,8 +17,8 @@ import os
 
 import jax
 import jax.numpy as jnp
-
 from bench_kernels import Shape, inputs, timeit
+
 from hla_jax.kernels import wrap
 from hla_jax.kernels.gpu import gdn_mgpu, gdn_ut
 

@@ -185,7 +185,12 @@ def train_workdirs(configs: dict, root) -> dict:
 
 
 def label(c) -> str:
-    """The mixer pattern, plus the linear/HLA options that change the operator."""
+    """The mixer pattern, plus the linear/HLA options that change the operator (when it has a
+    linear or HLA mixer, the ones they apply to)."""
     extras = [name for name, field in (("decay", "hla_decay"), ("normalised", "hla_normalize"),
                                        ("conv", "hla_conv")) if c.model.get(field)]
+    if not c.model.get("qk_norm", True):
+        extras.append("no qk_norm")
+    if not set(c.model.mixer_pattern) & {"linear", "hla2", "ahla", "hla3"}:
+        extras = []
     return "+".join(c.model.mixer_pattern) + (f" ({', '.join(extras)})" if extras else "")

@@ -35,7 +35,7 @@ def test_position_loss_trains_and_reads_checkpoints(tmp_path):
     assert edges == [(1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 33)]
     assert all(np.isfinite(b["loss"]) for b in run["buckets"])
     # a uniform model would have log(256) = 5.5 nats: 4 steps cannot be far from it
-    assert 3.0 < run["mean_loss"] < 7.0 and "| linear | 4 |" in md
+    assert 3.0 < run["mean_loss"] < 7.0 and "| linear (decay, conv) | 4 |" in md  # the defaults
 
 
 def test_niah_trains_and_evaluates_lengths(tmp_path):

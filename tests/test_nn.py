@@ -224,7 +224,7 @@ def test_params_are_named_and_counted():
 
 
 def test_flops_per_token():
-    soft, lin = (ModelConfig(d_model=64, n_heads=2, n_layers=2, mixer_pattern=(m,))
+    soft, lin = (ModelConfig(d_model=64, n_heads=2, n_layers=2, mixer_pattern=(m,), hla_conv=False)
                  for m in ("softmax", "hla2"))
     f1, f2 = flops_per_token(soft, 1024), flops_per_token(soft, 2048)
     # causal attention core: 3 × H × 2·d·(T+1) per layer

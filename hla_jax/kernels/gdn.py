@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from hla_jax.kernels import wrap
 from hla_jax.kernels.gpu import gdn_mgpu, gdn_ut, la_mgpu
-from hla_jax.kernels.gpu.la_mgpu import C, F32, LOG2E
+from hla_jax.kernels.gpu.la_mgpu import F32, LOG2E, C
 from hla_jax.ops.common import check_gate, check_per_token, check_qkv
 
 

@@ -7,9 +7,9 @@ For ``c`` tokens with the local cumulative log-decay ``b`` (``ρ = exp(b)``, ``�
 
 ``X`` by repeated squaring (``loglinear_gdn_chunk.unit_lower_inverse``) and every product with
 ``T`` on float32 operands (TF32 for bf16 inputs: a bf16 ``T`` costs the gate's gradient, which
-sums such errors over a chunk, about 10%); ``K Kᵀ`` and ``dT`` on operands of the input dtype.  The backward gives
-``dK, dV, dβ`` for ``b`` held fixed (the Gated DeltaNet kernel takes the gate's gradient from an
-identity, ``kernels/gdn.py``)::
+sums such errors over a chunk, about 10%); ``K Kᵀ`` and ``dT`` on operands of the input dtype.
+The backward gives ``dK, dV, dβ`` for ``b`` held fixed (the Gated DeltaNet kernel takes the
+gate's gradient from an identity, ``kernels/gdn.py``)::
 
     dT = dW (ρ∘K)ᵀ + dU Vᵀ,   dV = Tᵀ dU,   dβ_σ ⊇ Σ_τ X∘dT,   dX = dT diag(β)
     dA = strict_tril(−Xᵀ dX Xᵀ),   E = dA ∘ Γ,   dβ_τ ⊇ Σ_σ E∘(K Kᵀ)

@@ -37,7 +37,9 @@ class ModelConfig:
     ``hla_decay`` adds a learned Mamba-style decay gate to the ``linear`` and HLA mixers;
     ``hla_normalize`` uses the ratio-normalised HLA readout; ``hla_conv`` gives them the short
     causal convolution on q, k, v (width ``conv_size``) that the Mamba-2 / Gated DeltaNet
-    mixers always have.
+    mixers always have.  ``hla_conv`` and ``hla_decay`` are on by default: without them the HLA
+    mixers learned neither language (eval loss 2.31-2.42 against 1.39-1.48 with both, tiny CPU
+    LMs) nor MQAR (README "Defaults of the HLA mixers"); set them False for the bare operators.
     ``seq_axis``: the mesh axis the time axis is sharded over ("" = none; the trainer sets
     "sequence" when ``mesh.sequence > 1``): the recurrent mixers then run their op through
     ``ops.sequence.over_time`` (``impl`` chunked/auto).  Decoding ignores it (unsharded).
@@ -62,9 +64,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     output_gate: str = "silu"
-    hla_decay: bool = False
+    hla_decay: bool = True
     hla_normalize: bool = False
-    hla_conv: bool = False
+    hla_conv: bool = True
     seq_axis: str = ""
 
     def __post_init__(self):

@@ -3,8 +3,8 @@
 Feature maps and gates (published architectures):
 
 - ``linear``, ``hla2``, ``ahla``, ``hla3``: q/k L2-normalised, q scaled by ``d**-0.5``
-  (``cfg.qk_norm``, default on: keeps second/third-order sums bounded); optional learned
-  Mamba-style decay (``cfg.hla_decay``); a short conv on q, k, v only with ``cfg.hla_conv``.
+  (``cfg.qk_norm``, default on: keeps second/third-order sums bounded); a learned Mamba-style
+  decay (``cfg.hla_decay``) and a short conv on q, k, v (``cfg.hla_conv``), both on by default.
 - ``mamba2`` / ``loglinear_mamba2``: short conv + SiLU on (x, B, C); ``q = C``, ``k = B``,
   ``dt = softplus(x W_dt + dt_bias)``, ``g = −exp(A_log)·dt``, ``v = dt·x``, plus ``D ∘ x`` skip.
 - ``gated_deltanet`` / ``loglinear_gated_deltanet``: short conv + SiLU on q, k, v; q, k

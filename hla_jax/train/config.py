@@ -35,9 +35,9 @@ def base_config() -> ml_collections.ConfigDict:
         rope_theta=10000.0,         # RoPE base (softmax mixer)
         norm_eps=1e-6,              # RMSNorm epsilon
         output_gate="silu",         # mixer output gate: silu | sigmoid | none
-        hla_decay=False,            # learned Mamba-style log-decay gate in linear/HLA mixers
+        hla_decay=True,             # learned Mamba-style log-decay gate in linear/HLA mixers
         hla_normalize=False,        # ratio-normalised HLA (SPEC §1 `normalize`)
-        hla_conv=False,             # short conv on q, k, v in linear/HLA mixers (as SSM mixers)
+        hla_conv=True,              # short conv on q, k, v in linear/HLA mixers (as SSM mixers)
     ))
     c.data = ml_collections.ConfigDict(dict(
         kind="text",                # text (bytes of files) | tokens (.npy memmap) | mqar | niah

@@ -39,7 +39,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from hla_jax.kernels.gpu.la_mgpu import (
-    BV, C, COLS, F32, ROWS, WGMMA, bcast_cols, bcast_rows, build, causal_decay, matmul, smem_tile)
+    BV,
+    COLS,
+    F32,
+    ROWS,
+    WGMMA,
+    C,
+    bcast_cols,
+    bcast_rows,
+    build,
+    causal_decay,
+    matmul,
+    smem_tile,
+)
 
 # per mode: the tiles loaded per chunk ("d": [C,d] key-width, "v": [C,BV] value-width), the
 # output tiles and whether the walk runs in reverse
