@@ -18,8 +18,10 @@ Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
   operators do not scale q);
 - ``cudnn_causal``: ``jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")``;
 - ``mamba2_xla_chunked``, ``gated_deltanet_xla_chunked``, ``<op>_xla_chunked``: ``impl="chunked"``;
-- only when named in ``--methods``: the log-linear kernels (``loglinear_mamba2_pallas``,
-  ``loglinear_gdn_pallas``), their ``_xla_chunked`` forms and the wheel's plain-JAX
+- only when named in ``--methods``: log-linear Mamba-2's block form (``loglinear_mamba2_blocks``:
+  ``impl="chunked"``, ``ops.loglinear_blocks``) and its Pallas kernels (``loglinear_mamba2_pallas``),
+  log-linear Gated DeltaNet's kernel and chunked form (``loglinear_gdn_pallas``,
+  ``loglinear_gdn_xla_chunked``) and the wheel's plain-JAX
   ``jla_log_linear_simple_gla``, which runs out of memory at B·T = 65536, so it and a twin row of
   our kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384 (``SMALL_TOKENS``).
 
@@ -33,7 +35,8 @@ first picks ``loglinear_mamba2_pallas``'s value tile at that T.
 
 bf16, ``--shape H,d,dv`` (default 16,128,128), B·T = ``--tokens``; q and k L2-normalised per token
 and head (the HLA chains' sums grow with their order), per-token log-decays ``g`` in (−0.1, 0].
-Forward and forward+backward (gradient of ``sum(o·w)`` w.r.t. q, k, v) median wall times (ms) over
+Forward and forward+backward (gradient of ``sum(o·w)`` w.r.t. q, k, v, g, β, λ; before
+2026-12-01 w.r.t. q, k, v only) median wall times (ms) over
 ``--repeats`` runs after a warm-up, next to a bf16 ``--matmul_n``³ matmul timed in the same run.
 Writes ``<out>/<name>.json`` and ``.md``: one row per method, then the targets, each met or missed.
 """
@@ -86,13 +89,16 @@ TARGETS = [
     Target("cudnn_causal", "hla2_pallas", ">=", 3.0, 8192),
     Target("cudnn_causal", "hla2_pallas", ">=", 8.0, 32768),
     Target("gated_deltanet_pallas", "jla_gated_deltanet", "<=", 1.5),
+    Target("loglinear_mamba2_pallas", "mamba2_pallas", "<=", 3.0),
+    Target("cudnn_causal", "loglinear_mamba2_pallas", ">=", 1.5, 8192),
 ]
 DEFAULT_METHODS = ("mamba2_pallas", "jla_simple_gla", "hla2_pallas", "ahla_pallas", "hla3_pallas",
                    "cudnn_causal", "gated_deltanet_pallas", "jla_gated_deltanet",
                    "mamba2_xla_chunked", "gated_deltanet_xla_chunked", "hla2_xla_chunked",
                    "ahla_xla_chunked", "hla3_xla_chunked")
 SMALL_TOKENS = {"jla_log_linear_simple_gla": 16384, "loglinear_mamba2_pallas_16k": 16384}
-LOGLINEAR_SETTINGS = [dict(block_v_bwd=64), dict(block_v_bwd=128), dict(block_v_bwd=32)]
+LOGLINEAR_SETTINGS = [dict(block_v=128, block_v_bwd=128), dict(block_v=64, block_v_bwd=128),
+                      dict(block_v=128, block_v_bwd=64)]
 
 
 def timeit(fn, *args, repeats=10):
@@ -123,10 +129,10 @@ def inputs(B, T, shape, seed=0):
 
 
 def fwd_bwd(fn):
-    """``jit(grad)`` of ``sum(fn(q, k, v, g, beta, lam) * w)`` w.r.t. q, k, v (gates are
-    arguments: a closed-over gate would be a constant that ``check_gate`` tries to inspect)."""
+    """``jit(grad)`` of ``sum(fn(q, k, v, g, beta, lam) * w)`` w.r.t. every input (the gates
+    train too; a method that ignores one gets zeros for it)."""
     loss = lambda q, k, v, g, beta, lam, w: jnp.sum(fn(q, k, v, g, beta, lam).astype(jnp.float32) * w)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
 
 
 def _ready(fn):
@@ -183,7 +189,7 @@ def methods(loglinear_kw=None):
         **{f"{op}_xla_chunked": _op(op, "chunked") for op in HLA},
         "loglinear_mamba2_pallas": loglinear,
         "loglinear_mamba2_pallas_16k": loglinear,
-        "loglinear_mamba2_xla_chunked": _ready(lambda q, k, v, g, beta, lam: ops.loglinear_mamba2(
+        "loglinear_mamba2_blocks": _ready(lambda q, k, v, g, beta, lam: ops.loglinear_mamba2(
             q, k, v, g, lam, impl="chunked")),
         "loglinear_gdn_pallas": _ready(lambda q, k, v, g, beta, lam:
                                        kernels.loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam)),

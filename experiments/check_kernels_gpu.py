@@ -17,7 +17,9 @@ Kernels (``CASES``), compiled, not interpreted:
 - ``gated_deltanet``: ``kernels.gated_deltanet_pallas`` from an initial state and returning the
   final state (reference: the float64 recurrence, ``ops.gated_deltanet(impl="recurrent")``), or,
   with packed documents, ``ops.gated_deltanet(impl="pallas")`` (reference: the quadratic one);
-- ``loglinear_mamba2``, ``loglinear_gated_deltanet``: ``kernels.<name>_pallas``.
+- ``loglinear_mamba2``, ``loglinear_gated_deltanet``: ``kernels.<name>_pallas``;
+- ``loglinear_mamba2_blocks``: ``ops.loglinear_mamba2(impl="chunked")``, the block form
+  (``ops.loglinear_blocks``: XLA matmuls, no kernel of its own), GPU numerics checked the same way.
 
 Gates ``g``: per token (``token``), per head (``head``), none, or per token with −∞ entries
 (``reset``: in batch element 0 only, at chunk boundaries and at random, so the other element
@@ -55,6 +57,7 @@ from hla_jax.ops import common, fenwick, reference
 
 HLA = ("hla2", "ahla", "hla3")
 LOGLINEAR = ("loglinear_mamba2", "loglinear_gated_deltanet")
+WITH_LAM = LOGLINEAR + ("loglinear_mamba2_blocks",)
 DELTA = ("gated_deltanet", "loglinear_gated_deltanet")  # keys L2-normalised, a β
 RESETS = (64, 127, 500)  # positions of −∞ log-decays in a "reset" gate (chunk starts and ends)
 DOCS = (300, 1, 137, 64, 211)  # document lengths of a "docs" row, in turn
@@ -87,6 +90,9 @@ CASES = [
       for T, d, dv, gate in ((1000, 128, 128, "reset"), (700, 64, 192, "token"), (1000, 128, 128, "docs"))],
     *[Case(n, B, T, 2, 128, dv, "token", False, dt) for n in LOGLINEAR
       for B, T, dv, dt in ((2, 300, 64, "float32"), (1, 1000, 128, "float32"), (2, 1000, 128, "bfloat16"))],
+    *[Case("loglinear_mamba2_blocks", B, T, 2, 128, 128, gate, False, dt)
+      for B, T, gate, dt in ((2, 1000, "reset", "bfloat16"), (1, 4100, "token", "bfloat16"),
+                             (2, 1000, "reset", "float32"))],
 ]
 
 
@@ -120,7 +126,7 @@ def operands(rng, case):
     if case.kernel in DELTA:
         args.append(jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.float32))
         names.append("beta")
-    if case.kernel in LOGLINEAR:
+    if case.kernel in WITH_LAM:
         args.append(jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, fenwick.num_levels(T))), jnp.float32))
         names.append("lam")
     if case.kernel == "la_pallas" or (case.kernel == "gated_deltanet" and case.gate != "docs"):
@@ -172,6 +178,8 @@ def kernel_fn(case):
             q, k, v, g, beta, initial_state=h0, return_final_state=True)
     if case.kernel in HLA:
         return lambda *a: (getattr(ops, case.kernel)(*a, normalize=case.normalize, eps=1e-6, impl="pallas"),)
+    if case.kernel == "loglinear_mamba2_blocks":
+        return lambda *a: (ops.loglinear_mamba2(*a, impl="chunked"),)
     return lambda *a: (getattr(kernels, f"{case.kernel}_pallas")(*a),)
 
 
@@ -195,7 +203,7 @@ def reference_fn(case):
             g = None if g is None else jnp.broadcast_to(g, q.shape[:3])
             return (getattr(reference, case.kernel)(q, k, v, g, normalize=case.normalize, eps=1e-6),)
         return hla
-    return lambda *a: (getattr(reference, case.kernel)(*a),)
+    return lambda *a: (getattr(reference, case.kernel.removesuffix("_blocks"))(*a),)
 
 
 def run_case(rng, case) -> dict:

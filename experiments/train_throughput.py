@@ -44,7 +44,7 @@ def run_one(a) -> dict:
     c = lm.get_config(f"mixer={a.one},size=small")
     c.model.update(d_model=a.d_model, n_layers=a.layers, n_heads=a.d_model // 128,
                    max_seq_len=max(a.seq_len, 2048), impl=a.impl)
-    c.data.update(seq_len=a.seq_len, batch_size=a.batch)
+    c.data.update(seq_len=a.seq_len, batch_size=a.batch, pack=bool(a.pack))
     c.optim.update(warmup_steps=10)
     c.train.update(num_steps=a.steps, log_every=max(a.steps // 2, 1), eval_every=0, eval_steps=0,
                    sample_tokens=0, checkpoint_every=0, async_checkpoint=False, progress_bar=True,
@@ -57,7 +57,8 @@ def run_one(a) -> dict:
     cfg = ModelConfig.from_dict(c.model.to_dict())
     params = param_count(nnx.eval_shape(lambda: LM(cfg, rngs=nnx.Rngs(0))))
     return {"mixer": a.one, "seq_len": a.seq_len, "batch": a.batch, "steps": a.steps,
-            "d_model": a.d_model, "layers": a.layers, "impl": a.impl, "params": params,
+            "d_model": a.d_model, "layers": a.layers, "impl": a.impl, "pack": bool(a.pack),
+            "params": params,
             "tokens_per_s": out["train"]["tokens_per_s"], "mfu": out["train"]["mfu"],
             "final_loss": out["train"]["loss"], "peak_bytes": stats.get("peak_bytes_in_use"),
             "wall_s": wall, "device": jax.devices()[0].device_kind}
@@ -72,6 +73,9 @@ def main():
     p.add_argument("--d_model", type=int, default=1024)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--impl", default="auto", help="operator impl (model.impl), e.g. pallas")
+    p.add_argument("--pack", type=int, default=1,
+                   help="1: packed documents (configs/lm.py's default, segment_ids: the log-linear "
+                        "kernels take none, so those mixers run impl='chunked'); 0: plain rows")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mixer")
     p.add_argument("--budget", type=float, default=0,
                    help="seconds; no new mixer starts after it (0 = no limit)")
@@ -83,6 +87,7 @@ def main():
         return
     rows, path, table = [], None, []
     logdir = a.logdir or tempfile.mkdtemp(prefix="train_throughput_")
+    os.makedirs(logdir, exist_ok=True)
     mixers = a.mixers.split(",")
     t_start = time.perf_counter()
     for i, mixer in enumerate(mixers):
@@ -100,9 +105,10 @@ def main():
 def train(mixer, a, logdir) -> dict:
     """Run ``mixer`` in its own process; its result row, or an error row with the log's tail."""
     cmd = [sys.executable, __file__, "--one", mixer] + [
-        f"--{k}={getattr(a, k)}" for k in ("seq_len", "batch", "steps", "d_model", "layers", "impl")]
+        f"--{k}={getattr(a, k)}" for k in ("seq_len", "batch", "steps", "d_model", "layers", "impl", "pack")]
     t0 = time.perf_counter()
-    log = os.path.join(logdir, f"{mixer}.log" if a.impl == "auto" else f"{mixer}_{a.impl}.log")
+    log = os.path.join(logdir, mixer + ("" if a.impl == "auto" else f"_{a.impl}")
+                       + ("" if a.pack else "_plain") + ".log")
     with open(log, "w") as f:
         try:
             subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=a.timeout,
@@ -114,13 +120,14 @@ def train(mixer, a, logdir) -> dict:
         lines = f.read().splitlines()
     results = [ln for ln in lines if ln.startswith("RESULT ")]
     row = json.loads(results[-1][7:]) if results else {
-        "mixer": mixer, "impl": a.impl, "error": error or "no result", "log_tail": lines[-5:]}
+        "mixer": mixer, "impl": a.impl, "pack": bool(a.pack), "error": error or "no result",
+        "log_tail": lines[-5:]}
     row.setdefault("wall_s", time.perf_counter() - t0)
     return row
 
 
 def save(rows):
-    """Write ``rows`` to the device's results file, keeping the rows of other (mixer, impl) pairs
+    """Write ``rows`` to the device's results file, keeping the rows of other (mixer, impl, pack)
     that are already there; ``(path, all rows written)``, or None while no row names its device
     (every mixer so far failed)."""
     device = next((r["device"] for r in rows if "device" in r), None)
@@ -128,7 +135,7 @@ def save(rows):
         return None
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"train_throughput_{device.replace(' ', '_')}.json")
-    key = lambda r: (r["mixer"], r.get("impl", "auto"))
+    key = lambda r: (r["mixer"], r.get("impl", "auto"), r.get("pack", True))
     ran = {key(r) for r in rows}
     kept = []
     if os.path.exists(path):  # runs split over several invocations: keep the other mixers' rows
@@ -141,7 +148,8 @@ def save(rows):
 
 def line(r) -> str:
     """A Markdown table row of one result."""
-    name = r["mixer"] + ("" if r.get("impl", "auto") == "auto" else f" ({r['impl']})")
+    name = (r["mixer"] + ("" if r.get("impl", "auto") == "auto" else f" ({r['impl']})")
+            + ("" if r.get("pack", True) else " (plain rows)"))
     if "error" in r:
         return f"| {name} | – | – | – | – | {r['error']}: {(r.get('log_tail') or [''])[-1][:120]} |"
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"

@@ -1,6 +1,7 @@
 """Log-linear Mamba-2 and (log-linear) Gated DeltaNet: every form against the quadratic oracle."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -196,3 +197,38 @@ def test_plain_gated_deltanet_accepts_any_chunk_size(x64, rng):
     args = _args("gated_deltanet", _inputs(rng, 50))
     out = loglinear.gated_deltanet(*args, chunk_size=24)
     assert_close(out, _reference("gated_deltanet", *args), 1e-10)
+
+
+def test_block_form_bf16_runs_16_bit_products_both_ways(rng):
+    """``impl="chunked"`` (the block form, ``ops.loglinear_blocks``) on bf16 inputs: outputs and
+    every gradient within the bf16 tolerance of the float32 oracle, every product on 16-bit
+    operands (forward and backward), and no loop over chunks at all."""
+    q, k, v, g, _, lam = _inputs(rng, 300, np.float32, d=16, dv=16)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    fn = functools.partial(loglinear.loglinear_mamba2, impl="chunked", chunk_size=16)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    assert_close(fn(q, k, v, g, lam), ref.loglinear_mamba2(*f32, g, lam), 2e-2)
+    w = jnp.asarray(rng.normal(size=v.shape), jnp.float32)
+    got = grads_of(fn, (q, k, v, g, lam), range(5), w)
+    want = grads_of(ref.loglinear_mamba2, (*f32, g, lam), range(5), w)
+    for name, a, b in zip(["q", "k", "v", "g", "lam"], got, want):
+        assert_close(a.astype(jnp.float32), b, 2e-2, "d" + name)
+    hlo = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=range(5))).lower(
+        q, k, v, g, lam).as_text()
+    operands = re.findall(r"stablehlo.dot_general.*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", hlo)
+    assert operands and set(operands) == {("bf16", "bf16")}
+    assert "stablehlo.while" not in hlo
+
+
+def test_block_form_is_taken_only_on_the_grid(x64, rng):
+    """Packed documents and states keep the counter form (levels off the grid); both equal the
+    oracle, and the block form is the grid case."""
+    from hla_jax.ops.loglinear_blocks import blocks
+
+    q, k, v, g, _, lam = _inputs(rng, 70)
+    out = loglinear.loglinear_mamba2(q, k, v, g, lam, impl="chunked", chunk_size=16)
+    np.testing.assert_array_equal(out, blocks(q, k, v, g, lam, 16))
+    seg = jnp.asarray(np.repeat([[0, 1, 2]], [20, 31, 19], axis=1).repeat(2, 0))
+    packed = loglinear.loglinear_mamba2(q, k, v, g, lam, impl="chunked", chunk_size=16,
+                                        segment_ids=seg)
+    assert_close(packed, ref.loglinear_mamba2(q, k, v, g, lam, segment_ids=seg), 1e-10)

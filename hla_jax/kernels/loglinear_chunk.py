@@ -1,25 +1,22 @@
-"""One chunk of log-linear Mamba-2 (SPEC §4), forward and backward, and the binary counter of
-chunk-level states: small 2-D matmuls shared by the NVIDIA (Triton) and TPU (Mosaic) kernels.
+"""One chunk of log-linear Mamba-2 (SPEC §4) in the block form (``ops.loglinear_blocks``),
+forward and backward: small 2-D matmuls shared by the NVIDIA (Triton) and TPU (Mosaic) kernels.
 
-One chunk of ``c = 2^lc`` tokens, local positions τ, σ; ``bb`` the local cumulative log-decay,
-``ρ = exp(bb)``, ``ρ_c`` its value at the chunk end, ``γ = ρ_c / ρ``, ``Γ[τ,σ] = ρ_τ / ρ_σ``
-(σ ≤ τ), as in ``la_chunk``.  ``lams[ℓ]: [c]`` is ``λ^{(ℓ)}`` of the chunk's tokens.  Levels
-``0..lc`` live inside the chunk: ``Λ[τ,σ] = λ_τ^{ℓ(τ,σ)}``, ``ℓ = bit_length(τ XOR σ)``.
+One chunk ``n`` of ``c = 2^lc`` tokens, local positions τ, σ; ``bb`` the local cumulative
+log-decay, ``Γ[τ,σ] = exp(bb_τ − bb_σ)`` (σ ≤ τ), as in ``la_chunk``; ``lams[ℓ]: [c]`` is
+``λ^{(ℓ)}`` of the chunk's tokens.  Levels ``0..lc`` live inside the chunk:
+``Λ[τ,σ] = λ_τ^{ℓ(τ,σ)}``, ``ℓ = bit_length(τ XOR σ)``.  Chunk level ``j`` (level ``lc+1+j``):
+the chunk lies in the right half of its aligned block of ``2^(j+1)`` chunks when bit ``j`` of
+``n`` is 1 (it reads the left half's state ``H_j: d×bv``), else in the left half (it writes
+into ``H_j``); ``lw[j]: [c]`` are its tokens' weights there (``ops.loglinear_blocks.token_weights``):
 
-Chunk ``n`` sees chunk ``n' < n`` at level ``lc + bit_length(n XOR n')``: slot ``j < P`` of the
-counter holds the block of earlier chunks at level ``lc + 1 + j``, and is live exactly when bit
-``j`` of ``n`` is 1.  The counter is lazy: slot ``j`` keeps its block state ``W_j: d×bv``
-(float32) as written, at the end of chunk ``block_end(n, j)``, and chunk ``n`` reads it as
-``s_j W_j`` with the scalar decay ``s_j = s[n, j]`` of the chunks in between
-(``kernels.loglinear.level_scales``).  Nothing is rescaled per chunk: a chunk reads its live
-slots and writes one.  With ``z`` = the number of trailing 1 bits of ``n``:
+    O  = (QKᵀ ∘ Γ ∘ Λ) V + Σ_{j: bit j of n} diag(lw_j) Q H_j
+    H_j = Σ_{chunks of the left half} (lw_j ∘ K)ᵀ V              (``half_state``)
 
-    O      = (QKᵀ ∘ Γ ∘ Λ) V + Σ_{j live} s_j diag(λ^{(lc+1+j)} ∘ ρ) Q W_j
-    merged = (γ ∘ K)ᵀ V + ρ_c Σ_{j<z} s_j W_j          (then W_z ← merged: ``place``)
-
-Dead slots skip their matmuls and loads (``lax.cond``).  Matmul operands in the input dtype,
-accumulation and state in float32.  The counter and level helpers (``live``, ``block_end``,
-``counter_flags``, ``place``, ``take``, ``level_weights``, ``level_sums``) know nothing of Mamba-2.
+The backward is two kernels per chunk (fewer live accumulators than one): the query side
+(``dQ``, ``db``, the intra ``dλ``, ``dlw`` where it reads ``H_j``) and the key/value side
+(``dK``, ``dV``, ``dlw`` where it writes, from ``dH_j = Σ_{right half} (lw_j ∘ Q)ᵀ dO``,
+``half_state`` again).  Matmul operands in the input dtype, accumulation in float32.  Levels the
+chunk skips cost no matmul (``lax.cond``).
 """
 
 from __future__ import annotations
@@ -27,57 +24,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hla_jax.kernels.la_chunk import at_end, decays, dot
+from hla_jax.kernels.la_chunk import F32, decays, dot
 from hla_jax.ops import fenwick
-
-# --------------------------------------------------------------------------- binary counter
-
-
-def num_slots(levels: int, c: int) -> int:
-    """``P``: the counter slots behind ``levels = lc + 1 + P`` rows of λ for chunks of ``c``."""
-    return levels - c.bit_length()
 
 
 def live(n, j: int):
-    """Slot ``j`` is live at chunk ``n`` (traced int) iff bit ``j`` of ``n`` is 1."""
+    """Chunk ``n`` (traced int) reads level ``j``'s state iff bit ``j`` of ``n`` is 1."""
     return ((n >> j) & 1) == 1
-
-
-def block_end(n, j: int):
-    """The chunk whose merge wrote the slot-``j`` state that chunk ``n`` reads (bit ``j`` of ``n``
-    set): the last chunk of the left half of ``n``'s aligned block of ``2^(j+1)`` chunks."""
-    return (n & ~((2 << j) - 1)) | ((1 << j) - 1)
-
-
-def _reaches(n, j: int):
-    """``j ≤ z``, ``z`` = the number of trailing 1 bits of ``n`` (the carry when ``n+1`` starts)."""
-    return ((n + 1) & ((1 << j) - 1)) == 0
-
-
-def counter_flags(n, P: int):
-    """``(lives, merges, ats)`` at chunk ``n``, one bool per slot: read (bit ``j`` of ``n``),
-    merged into the new state (``j < z``), written (``j = z``; none when ``z ≥ P``, which only
-    happens at the last chunk)."""
-    upto = [_reaches(n, j) for j in range(P + 1)]
-    return ([live(n, j) for j in range(P)], upto[1:],
-            [upto[j] & ~upto[j + 1] for j in range(P)])
-
-
-def place(Ws, merged, ats):
-    """``W_z ← merged`` on a list of slot states (the others untouched, no arithmetic)."""
-    return [_when(at, lambda W: (merged,), W)[0] for W, at in zip(Ws, ats)]
-
-
-def take(dWs, acc, ats):
-    """Transpose of ``place``: ``d_merged = dW_z``, then slot ``z``'s cotangent ``dW_z`` and its
-    decay accumulator ``acc_z`` restart at 0 (the state before the write is another one).
-    Returns ``(d_merged, dWs, acc)``."""
-    d_merged = jnp.zeros_like(dWs[0])
-    out = []
-    for dW, at in zip(dWs, ats):
-        d_merged, dW = _when(at, lambda d, w: (w, jnp.zeros_like(w)), d_merged, dW)
-        out.append(dW)
-    return d_merged, out, [jnp.where(at, 0.0, a) for a, at in zip(acc, ats)]
 
 
 # --------------------------------------------------------------------------- intra-chunk levels
@@ -111,77 +64,73 @@ def _when(flag, fn, *acc):
 # --------------------------------------------------------------------------- one chunk
 
 
-def chunk_forward(Q, K, V, bb, lams, state, scales, lives, merges):
-    """``(O [c,bv], merged [d,bv])`` from ``Q, K [c,d]``, ``V [c,bv]``, ``bb [c]``, ``lams``
-    (``lc + 1 + P`` vectors ``[c]``), ``state(j)`` (slot ``j``'s ``W_j``, called only when live),
-    the scalars ``scales[j] = s_j`` and the ``counter_flags`` ``lives``, ``merges``."""
-    dt = Q.dtype
-    c = Q.shape[0]
-    lc = c.bit_length() - 1
-    r, rc, gam, Gam, _ = decays(bb)
-    M = dot(Q, K, tb=True) * (Gam * level_weights(lams[:lc + 1], level_table(c)))
-    O = dot(M.astype(dt), V)
-    merged = dot((gam[:, None] * K).astype(dt), V, ta=True)
-    for j, s in enumerate(scales):
-        def level(O, merged, j=j, s=s, lam=lams[lc + 1 + j]):
-            W = state(j)
-            O = O + (s * lam * r)[:, None] * dot(Q, W.astype(dt))
-            return O, _when(merges[j], lambda m: (m + (rc * s) * W,), merged)[0]
-
-        O, merged = _when(lives[j], level, O, merged)
-    return O, merged
+def half_state(X, Y, w, acc):
+    """``acc + (w ∘ X)ᵀ Y``: one chunk's share of ``H_j`` (``X, Y = K, V``) or of its cotangent
+    (``Q, dO``); ``X [c,d]``, ``Y [c,bv]``, ``w [c]``, ``acc [d,bv]`` float32."""
+    return acc + dot((w[:, None] * X).astype(X.dtype), Y, ta=True)
 
 
-def chunk_backward(Q, K, V, bb, lams, state, scales, lives, merges, dO, d_merged, dWs, carried):
-    """Reverse-mode step of ``chunk_forward`` given the cotangents ``dO [c,bv]`` and
-    ``d_merged [d,bv]``; ``dWs`` (the slots' cotangents so far) get this chunk's share added, and
-    ``carried`` (the cotangent of this chunk's total log-decay through the states that cross it,
-    from the counter) joins ``db``.  Returns ``(dQ [c,d], dK [c,d], dV [c,bv], db [c], dlams,
-    dWs, dlogs)``: ``dlams`` one ``[c]`` per level, ``dlogs[j] = s_j ∂/∂s_j`` (float32)."""
-    dt = Q.dtype
-    c = Q.shape[0]
-    lc = c.bit_length() - 1
-    r, rc, gam, Gam, _ = decays(bb)
-    lev = level_table(c)
-    GL = Gam * level_weights(lams[:lc + 1], lev)
+def chunk_forward(Q, K, V, bb, lams, lw, state, lives):
+    """``O [c,bv]`` from ``Q, K [c,d]``, ``V [c,bv]``, ``bb [c]``, ``lams`` (``lc + 1`` vectors
+    ``[c]``), ``lw`` (one ``[c]`` per chunk level), ``state(j)`` (``H_j [d,bv]``, called only
+    when read) and ``lives`` (one traced bool per level)."""
+    dt, c = Q.dtype, Q.shape[0]
+    _, _, _, Gam, _ = decays(bb)
+    O = dot((dot(Q, K, tb=True) * Gam * level_weights(lams, level_table(c))).astype(dt), V)
+    for j, w in enumerate(lw):
+        O = _when(lives[j], lambda O, j=j, w=w: (O + dot((w[:, None] * Q).astype(dt),
+                                                         state(j).astype(dt)),), O)[0]
+    return O
+
+
+def _intra_backward(Q, K, V, bb, lams, dO):
+    """``(A, Γ, GL, dM, dO_)`` of the intra-chunk levels: ``A = QKᵀ``, ``GL = Γ ∘ Λ`` (so
+    ``M = A ∘ GL``), ``dM = dO Vᵀ``, ``dO`` in the matmul dtype."""
+    dt, c = Q.dtype, Q.shape[0]
+    _, _, _, Gam, _ = decays(bb)
     A = dot(Q, K, tb=True)
-    M = A * GL
     dO_ = dO.astype(dt)
-    dm_ = d_merged.astype(dt)
-    Kg = gam[:, None] * K
+    return A, Gam, Gam * level_weights(lams, level_table(c)), dot(dO_, V, tb=True), dO_
 
-    dM = dot(dO_, V, tb=True)
-    dA = (dM * GL).astype(dt)
-    Vdm = dot(V, dm_, tb=True)                      # V d_mergedᵀ  [c,d]
-    dV = dot(M.astype(dt), dO_, ta=True) + dot(Kg.astype(dt), dm_)
-    dQ = dot(dA, K)
-    dK = dot(dA, Q, ta=True) + gam[:, None] * Vdm
-    dlams = level_sums(dM * A * Gam, lev, lc + 1)
-    e = gam * jnp.sum(K * Vdm, 1)                   # cotangent of γ, times γ
-    # Γ's log-decay cotangent: row sums minus column sums of dM ∘ M (row sums = Σ_ℓ λ^ℓ dλ^ℓ)
-    db = sum(lam * dl for lam, dl in zip(lams, dlams)) - jnp.sum(dM * M, 0) - e
-    end = jnp.sum(e) + carried
 
-    zero = jnp.zeros_like(db)
-    dWs_out, dlogs = [], []
-    for j, (s, dW) in enumerate(zip(scales, dWs)):
-        def level(dQ, dW, dl, g, j=j, s=s, lam=lams[lc + 1 + j]):
-            W = state(j)
-            R = dot(dO_, W.astype(dt), tb=True)     # dO Wᵀ  [c,d]
-            dl = (s * r) * jnp.sum(Q * R, 1)        # = dλ^{(lc+1+j)}
-            dQ = dQ + (s * lam * r)[:, None] * R
-            dW = dW + s * dot(((lam * r)[:, None] * Q).astype(dt), dO_, ta=True)
+def chunk_backward_q(Q, K, V, bb, lams, lw, state, lives, dO):
+    """The query side of ``chunk_forward``'s reverse mode, given ``dO [c,bv]``: ``(dQ [c,d],
+    db [c], dlams, dlw)``, ``dlams`` one ``[c]`` per intra level, ``dlw`` one per chunk level
+    (zero where the chunk writes ``H_j``), float32."""
+    dt, c = Q.dtype, Q.shape[0]
+    A, Gam, GL, dM, dO_ = _intra_backward(Q, K, V, bb, lams, dO)
+    dQ = dot((dM * GL).astype(dt), K)
+    dlams = level_sums(dM * A * Gam, level_table(c), len(lams))
+    # Γ's log-decay cotangent: row sums (= Σ_ℓ λ^ℓ dλ^ℓ) minus column sums of dM ∘ M
+    dMM = dM * A * GL
+    db = jnp.sum(dMM, 1) - jnp.sum(dMM, 0)
+    zero = jnp.zeros((c,), jnp.result_type(F32, Q.dtype))
+    dlw = []
+    for j, w in enumerate(lw):
+        def read(dQ, j=j, w=w):     # O ⊇ diag(w) Q H_j
+            R = dot(dO_, state(j).astype(dt), tb=True)
+            return dQ + w[:, None] * R, jnp.sum(Q * R, 1)
 
-            def merge(dW, g):
-                q = (rc * s) * jnp.sum(d_merged * W)
-                return dW + (rc * s) * d_merged, g + at_end(q, c)
+        dQ, dw = jax.lax.cond(lives[j], read, lambda dQ: (dQ, zero), dQ)
+        dlw.append(dw)
+    return dQ, db, dlams, dlw
 
-            dW, g = _when(merges[j], merge, dW, lam * dl)
-            return dQ, dW, dl, g
 
-        dQ, dW, dl, g = _when(lives[j], level, dQ, dW, zero, zero)
-        db = db + g             # Σ g = s_j ∂/∂s_j: λ·dλ through ρ, the merge's q through ρ_c
-        dlams.append(dl)
-        dWs_out.append(dW)
-        dlogs.append(jnp.sum(g))
-    return dQ, dK, dV, db + at_end(end, c), dlams, dWs_out, dlogs
+def chunk_backward_kv(Q, K, V, bb, lams, lw, dstate, lives, dO):
+    """The key/value side: ``(dK [c,d], dV [c,bv], dlw)`` given ``dO`` and ``dstate(j)``
+    (``dH_j``, called where the chunk writes ``H_j``; ``dlw`` is zero where it reads)."""
+    dt, c = Q.dtype, Q.shape[0]
+    A, _, GL, dM, dO_ = _intra_backward(Q, K, V, bb, lams, dO)
+    dK = dot((dM * GL).astype(dt), Q, ta=True)
+    dV = dot((A * GL).astype(dt), dO_, ta=True)
+    zero = jnp.zeros((c,), jnp.result_type(F32, Q.dtype))
+    dlw = []
+    for j, w in enumerate(lw):
+        def write(dK, dV, j=j, w=w):    # H_j ⊇ (w ∘ K)ᵀ V
+            dH = dstate(j).astype(dt)
+            R = dot(V, dH, tb=True)
+            return dK + w[:, None] * R, dV + dot((w[:, None] * K).astype(dt), dH), jnp.sum(K * R, 1)
+
+        dK, dV, dw = jax.lax.cond(lives[j], lambda dK, dV: (dK, dV, zero), write, dK, dV)
+        dlw.append(dw)
+    return dK, dV, dlw

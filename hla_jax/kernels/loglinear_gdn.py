@@ -36,10 +36,34 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hla_jax.kernels.loglinear import Config, chunk_levels, levels_first, value_tiles
-from hla_jax.kernels.wrap import backend_module, chunk_gate, launch, pad
+from hla_jax.kernels.loglinear import Config, levels_first
+from hla_jax.kernels.wrap import backend_module, chunk_gate, launch, pad, pow2_at_least
+from hla_jax.ops import fenwick
 from hla_jax.ops.common import check_gate, check_per_token, check_qkv
 from hla_jax.ops.loglinear import check_lam
+
+STACK_BYTES = 64 * 1024   # registers the level stack of one Triton program may take
+
+
+def chunk_levels(T: int, c: int) -> int:
+    """``P``: chunk-level states of a sequence of ``T`` tokens in chunks of ``c`` (at least 1)."""
+    return max(1, fenwick.num_levels(-(-T // c)) - 1)
+
+
+def value_tile(block_v: int, d: int, dv: int, P: int) -> int:
+    """The value tile: ``block_v``, at most ``dv`` rounded up to a power of two, and small enough
+    that ``P`` float32 ``d×bv`` states fit ``STACK_BYTES`` (never below 16)."""
+    fit = 1 << max(4, (STACK_BYTES // (4 * P * d)).bit_length() - 1)
+    return min(block_v, pow2_at_least(max(dv, 16)), fit)
+
+
+def value_tiles(block_v: int, block_v_bwd: int, d: int, dv: int, P: int):
+    """``(bv, bv_bwd, dvp)``: the walks' value tile (``value_tile``), the chunk-parallel
+    gradients' (``block_v_bwd``, at most ``dv`` rounded up to a power of two) and ``dv`` padded
+    to a multiple of both."""
+    bv = value_tile(block_v, d, dv, P)
+    bvb = min(block_v_bwd, pow2_at_least(max(dv, 16)))
+    return bv, bvb, -(-dv // max(bv, bvb)) * max(bv, bvb)
 
 
 def _kernels(platform: str):
@@ -94,7 +118,7 @@ def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, int
     """Log-linear Gated DeltaNet via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
 
     ``block_v`` caps the value tile of the walks (a power of two >= 16;
-    ``kernels.loglinear.value_tile`` shrinks it so the S level states of one program fit
+    ``value_tile`` shrinks it so the S level states of one program fit
     ``STACK_BYTES``), ``block_v_bwd`` is that of the chunk-parallel walk gradients, ``num_warps``
     (Triton) and ``platform`` ("gpu" | "tpu"; default from ``jax.default_backend()``) tune the
     kernels.

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hla_jax.ops import common, fenwick, reference, sequence
+from hla_jax.ops.loglinear_blocks import blocks
 from hla_jax.ops.loglinear_chunked import chunked
 from hla_jax.ops.ssm import (
     LevelState,
@@ -120,7 +121,8 @@ def scan(q, k, v, g, beta=None, lam=None, segment_ids=None):
 # --------------------------------------------------------------------------- public entries
 
 _JITTED = {"recurrent": jax.jit(recurrent), "scan": jax.jit(scan),
-           "chunked": jax.jit(chunked, static_argnames=("chunk_size", "seq_axis"))}
+           "chunked": jax.jit(chunked, static_argnames=("chunk_size", "seq_axis")),
+           "blocks": jax.jit(blocks, static_argnames="chunk_size")}
 
 
 def check_lam(lam, B, T, H, *, name, T_all=None):
@@ -230,6 +232,8 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     g = common.gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)
     if impl == "reference":
         return _reference(q, k, v, g, beta, lam, segment_ids)
+    if impl == "chunked" and name == "loglinear_mamba2" and not given and seq_axis is None:
+        return _JITTED["blocks"](q, k, v, g, lam, chunk_size=chunk_size)
     with common.matmul_precision(q, k, v):
         if impl == "scan":
             return _JITTED["scan"](q, k, v, g, beta, lam, segment_ids)
@@ -253,9 +257,12 @@ def loglinear_mamba2(q, k, v, g, lam, *, segment_ids=None, initial_state=None,
     ``LevelState(H: [L,B,H,d,dv], t: [B])`` (``init_state``/``step``'s layout; the row's first
     tokens continue its document at position ``t``) and return ``(o, final_state)`` (with
     ``segment_ids``: the last document's), so a prompt is prefilled in one parallel pass and
-    decoding continues with ``step``.  ``impl="pallas"``:
-    ``hla_jax.kernels.loglinear_mamba2_pallas`` (none of the three arguments above); "auto"
-    takes it on a GPU for bf16 inputs without them (``common.pallas_preferred``), else "chunked".
+    decoding continues with ``step``.  ``impl="chunked"`` without those three (and without
+    ``seq_axis``): the block form (``ops.loglinear_blocks``, no scan); with them: the counter
+    form (``ops.loglinear_chunked``).  ``impl="pallas"``:
+    ``hla_jax.kernels.loglinear_mamba2_pallas`` (the block form's kernels; none of the three
+    arguments above); "auto" takes it on a GPU for bf16 inputs without them
+    (``common.pallas_preferred``), else "chunked".
     """
     return run("loglinear_mamba2", q, k, v, g, None, lam, impl=impl, chunk_size=chunk_size,
                log_levels=True, seq_axis=seq_axis, segment_ids=segment_ids,

@@ -1,18 +1,19 @@
-"""Log-linear Mamba-2 chunked kernels for TPU (Mosaic).  UNTESTED ON TPU HARDWARE: no TPU was
+"""Log-linear Mamba-2 in the block form for TPU (Mosaic).  UNTESTED ON TPU HARDWARE: no TPU was
 available; the tests run these in interpret mode on CPU and check the Mosaic lowering.
 
-The TPU way of layout (a), as ``kernels/tpu/walk.py``: grid ``(B, H, N)`` with the chunk axis last
-and sequential ("arbitrary"); each step's ``[c, ·]`` tiles arrive by the pipeline's DMA, and the
-lazy counter's ``P`` float32 ``d×dv`` slot states (``kernels/loglinear_chunk.py``) persist across
-the chunk axis in VMEM scratch ``[P, d, dv]``, reset at the first chunk; a chunk reads its live
-slots and writes one (``forward``, ``states``, ``dstates``); ``grads`` runs every chunk at once
-(all grid axes parallel).  No value tiling (``dv`` is one tile).  Inputs are moved to
-``[B,H,Tp,·]``; the gate comes as ``[B,H,N,1,c]``, ``lam`` as ``[B,H,Ln,Tp]`` (an ``[Ln, c]``
-block per chunk), the slot decays ``s`` as ``[B,H,N,1,P]`` blocks in SMEM.  In ``dstates`` and
-``grads``, chunk ``n``'s slot-``j`` checkpoint ``W[block_end(n, j)]`` is its own input whose index map
-computes that chunk, so the pipeline fetches it (again only when the block changes), and the
-slots' decay accumulators are SMEM scratch.  Same interface as ``kernels.gpu.loglinear``
-(``bv``/``num_warps`` are ignored).
+Same interface and chunk math as ``kernels.gpu.loglinear`` (``kernels/loglinear_chunk.py``),
+one value tile (``bv``/``num_warps`` are ignored):
+
+- ``half_states``: grid ``(B, H, nb, 2^j)``, the last axis sequential ("arbitrary"): step ``m``
+  gets chunk ``m`` of the block's half by the pipeline's DMA (its index map computes the chunk,
+  clamped to the last one, whose weight then counts 0) and adds to a float32 VMEM accumulator,
+  written at the last step;
+- ``forward`` and ``backward`` (the query side, then the key/value side): grid ``(B, H, N)``,
+  all parallel; level ``j``'s state ``H_j[n >> (j+1)]`` (and ``dH_j``) is its own input whose
+  index map computes that block, so the pipeline fetches it only when it changes.
+
+Inputs are moved to ``[B,H,Tp,·]``; the gate comes as ``[B,H,N,1,c]``, ``lam`` as
+``[B,H,lc+1,Tp]`` and ``lw`` as ``[B,H,P,Tp]`` (a ``[rows, c]`` block per chunk).
 """
 
 from __future__ import annotations
@@ -24,171 +25,137 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from hla_jax.kernels.la_chunk import F32, at_end
+from hla_jax.kernels.la_chunk import F32
 from hla_jax.kernels.loglinear_chunk import (
-    block_end,
-    chunk_backward,
+    chunk_backward_kv,
+    chunk_backward_q,
     chunk_forward,
-    counter_flags,
-    num_slots,
-    take,
+    half_state,
+    live,
 )
 from hla_jax.kernels.tpu.walk import compiler_params, heads_first
-
-
-def specs(c, N, Ln, rev):
-    """Per-chunk blocks: ``tile(w)`` of ``[B,H,Tp,w]``, the ``[Ln, c]`` λ rows, ``chunk(rows, w)``
-    of a ``[B,H,N,rows,w]`` array (``smem``: in SMEM); ``rev`` walks the chunks backwards."""
-    n_of = (lambda n: N - 1 - n) if rev else (lambda n: n)
-    tile = lambda w: pl.BlockSpec((None, None, c, w), lambda i, h, n: (i, h, n_of(n), 0))
-    lams = pl.BlockSpec((None, None, Ln, c), lambda i, h, n: (i, h, 0, n_of(n)))
-    chunk = lambda rows, w, smem=False: pl.BlockSpec(
-        (None, None, None, rows, w), lambda i, h, n: (i, h, n_of(n), 0, 0),
-        memory_space=pltpu.SMEM if smem else None)
-    return tile, lams, chunk, n_of
-
 
 STATIC = ("c", "bv", "num_warps", "interpret")
 
 
-def _slots(d, dv, N, P, n_of):
-    """Chunk ``n``'s slot-``j`` checkpoint ``W[block_end(n, j)]`` as its own input block."""
-    return [pl.BlockSpec((None, None, None, d, dv),
-                         lambda i, h, n, j=j: (i, h, jnp.minimum(block_end(n_of(n), j), N - 1), 0, 0))
-            for j in range(P)]
+@functools.partial(jax.jit, static_argnames=STATIC + ("j", "side"))
+def half_states(x, y, lw, *, j, side, c, bv=None, num_warps=None, interpret=False):
+    """As ``kernels.gpu.loglinear.half_states``: ``[B,H,nb,dx,dy]`` in ``x``'s dtype."""
+    B, Tp, H, dx = x.shape
+    dy = y.shape[-1]
+    N, span, P = Tp // c, 1 << j, lw.shape[2]
+    nb = -(-N // (2 * span))
+    chunk = lambda blk, m: blk * 2 * span + side * span + m     # noqa: E731
+    at = lambda blk, m: jnp.minimum(chunk(blk, m), N - 1)       # noqa: E731
 
+    def kernel(x_ref, y_ref, lw_ref, o_ref, acc):
+        blk, m = pl.program_id(2), pl.program_id(3)
 
-def _operands(q, k, v, b, lam, s, c, rev):
-    """What every kernel starts from: ``(N, Ln, P, tile, lams, chunk, n_of, in_specs, args)``,
-    the chunk, level and slot counts, the blocks of ``specs`` and the specs and arrays of the
-    inputs every kernel reads: ``q, k, v`` (heads first), the gate and ``s`` per chunk, ``lam``."""
-    B, Tp, H, d = q.shape
-    N, Ln = Tp // c, lam.shape[2]
-    P = num_slots(Ln, c)
-    tile, lams, chunk, n_of = specs(c, N, Ln, rev)
-    return (N, Ln, P, tile, lams, chunk, n_of,
-            [tile(d), tile(d), tile(v.shape[-1]), chunk(1, c), lams, chunk(1, P, True)],
-            [heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, N, 1, c), lam,
-             s.reshape(B, H, N, 1, P)])
-
-
-def _walk(q, k, v, b, lam, s, *, c, outputs, interpret):
-    """The forward walk writing ``O`` (``outputs``) or every chunk's merged state ``W``."""
-    B, Tp, H, d = q.shape
-    dv = v.shape[-1]
-    N, Ln, P, tile, lams, chunk, _, specs_in, args = _operands(q, k, v, b, lam, s, c, False)
-
-    def kernel(q_ref, k_ref, v_ref, b_ref, lam_ref, s_ref, out_ref, w_scr):
-        n = pl.program_id(2)
-
-        @pl.when(n == 0)
+        @pl.when(m == 0)
         def _():
-            w_scr[...] = jnp.zeros_like(w_scr)
+            acc[...] = jnp.zeros_like(acc)
 
-        lives, merges, ats = counter_flags(n, P)
-        O, merged = chunk_forward(q_ref[...], k_ref[...], v_ref[...], b_ref[0],
-                                  [lam_ref[lev] for lev in range(Ln)], lambda j: w_scr[j],
-                                  [s_ref[0, j] for j in range(P)], lives, merges)
-        out_ref[...] = O if outputs else merged.astype(out_ref.dtype)
-        for j, at in enumerate(ats):
-            @pl.when(at)
-            def _(j=j):
-                w_scr[j] = merged
+        w = jnp.where(chunk(blk, m) < N, lw_ref[j], 0.0)
+        acc[...] = half_state(x_ref[...], y_ref[...], w, acc[...])
 
-    shape = (jax.ShapeDtypeStruct((B, H, Tp, dv), F32) if outputs else
-             jax.ShapeDtypeStruct((B, H, N, d, dv), q.dtype))
+        @pl.when(m == span - 1)
+        def _():
+            o_ref[...] = acc[...].astype(o_ref.dtype)
+
+    tile = lambda w: pl.BlockSpec((None, None, c, w), lambda i, h, blk, m: (i, h, at(blk, m), 0))
     return pl.pallas_call(
-        kernel, out_shape=shape, grid=(B, H, N),
-        in_specs=specs_in, out_specs=tile(dv) if outputs else chunk(d, dv),
-        scratch_shapes=[pltpu.VMEM((P, d, dv), F32)],
-        compiler_params=compiler_params(interpret), interpret=interpret,
-    )(*args)
+        kernel, out_shape=jax.ShapeDtypeStruct((B, H, nb, dx, dy), x.dtype), grid=(B, H, nb, span),
+        in_specs=[tile(dx), tile(dy),
+                  pl.BlockSpec((None, None, P, c), lambda i, h, blk, m: (i, h, 0, at(blk, m)))],
+        out_specs=pl.BlockSpec((None, None, None, dx, dy), lambda i, h, blk, m: (i, h, blk, 0, 0)),
+        scratch_shapes=[pltpu.VMEM((dx, dy), F32)],
+        compiler_params=None if interpret else pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+    )(heads_first(x), heads_first(y), lw)
+
+
+def _operands(q, k, v, b, lam, lw, Hs, c):
+    """``(in_specs, args, rows)`` of what every per-chunk kernel reads (q, k, v heads first,
+    the gate, λ and ``lw`` rows, one state per level), and ``rows(n)``: a ``[n, c]`` block."""
+    B, Tp, H, d = q.shape
+    dv, N = v.shape[-1], Tp // c
+    tile = lambda w: pl.BlockSpec((None, None, c, w), lambda i, h, n: (i, h, n, 0))
+    rows = lambda r: pl.BlockSpec((None, None, r, c), lambda i, h, n: (i, h, 0, n))
+    states = [pl.BlockSpec((None, None, None, d, dv), lambda i, h, n, j=j: (i, h, n >> (j + 1), 0, 0))
+              for j in range(len(Hs))]
+    specs = [tile(d), tile(d), tile(dv),
+             pl.BlockSpec((None, None, None, 1, c), lambda i, h, n: (i, h, n, 0, 0)),
+             rows(lam.shape[2]), rows(lw.shape[2]), *states]
+    args = [heads_first(q), heads_first(k), heads_first(v), b.reshape(B, H, N, 1, c), lam, lw, *Hs]
+    return specs, args, tile, rows, states
+
+
+def _chunk(q_ref, k_ref, v_ref, b_ref, lam_ref, lw_ref):
+    return (q_ref[...], k_ref[...], v_ref[...], b_ref[0],
+            [lam_ref[lev] for lev in range(lam_ref.shape[0])],
+            [lw_ref[j] for j in range(lw_ref.shape[0])])
+
+
+def _call(kernel, out_shape, grid, in_specs, out_specs, interpret, *args):
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
+                          out_specs=out_specs,
+                          compiler_params=compiler_params(interpret, sequential=False),
+                          interpret=interpret)(*args)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
-def forward(q, k, v, b, lam, s, *, c, bv=None, num_warps=None, interpret=False):
+def forward(q, k, v, b, lam, lw, Hs, *, c, bv=None, num_warps=None, interpret=False):
     """As ``kernels.gpu.loglinear.forward``: ``O [B,Tp,H,dv]`` float32."""
-    return heads_first(_walk(q, k, v, b, lam, s, c=c, outputs=True, interpret=interpret))
+    B, Tp, H, _ = q.shape
+    dv, P = v.shape[-1], len(Hs)
+    specs, args, tile, _, _ = _operands(q, k, v, b, lam, lw, Hs, c)
+
+    def kernel(q_ref, k_ref, v_ref, b_ref, lam_ref, lw_ref, *refs):
+        *h_refs, o_ref = refs
+        n = pl.program_id(2)
+        o_ref[...] = chunk_forward(*_chunk(q_ref, k_ref, v_ref, b_ref, lam_ref, lw_ref),
+                                   lambda j: h_refs[j][...], [live(n, j) for j in range(P)])
+
+    o = _call(kernel, jax.ShapeDtypeStruct((B, H, Tp, dv), F32), (B, H, Tp // c), specs,
+              tile(dv), interpret, *args)
+    return heads_first(o)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
-def states(q, k, v, b, lam, s, *, c, bv=None, num_warps=None, interpret=False):
-    """As ``kernels.gpu.loglinear.states``: ``W [B,H,N,d,dv]``."""
-    return _walk(q, k, v, b, lam, s, c=c, outputs=False, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=STATIC)
-def dstates(q, k, v, b, lam, s, W, do, *, c, bv=None, num_warps=None, interpret=False):
-    """As ``kernels.gpu.loglinear.dstates`` with one value tile: ``d_merged [B,H,N,d,dv]``,
-    ``carried [1,B,H,Tp]``."""
+def backward(q, k, v, b, lam, lw, Hs, dHs, do, *, c, bv=None, num_warps=None, interpret=False):
+    """As ``kernels.gpu.loglinear.backward`` with one value tile (share axes of length 1)."""
     B, Tp, H, d = q.shape
-    dv = v.shape[-1]
-    N, Ln, P, tile, lams, chunk, n_of, specs_in, args = _operands(q, k, v, b, lam, s, c, True)
+    dv, N, P, Li = v.shape[-1], Tp // c, len(Hs), lam.shape[2]
+    specs, args, tile, rows, states = _operands(q, k, v, b, lam, lw, Hs, c)
+    S = lambda *s: jax.ShapeDtypeStruct(s, F32)  # noqa: E731
+    gate = pl.BlockSpec((None, None, None, 1, c), lambda i, h, n: (i, h, n, 0, 0))
 
-    def kernel(q_ref, k_ref, v_ref, b_ref, lam_ref, s_ref, *rest):
-        w_refs = rest[:P]
-        do_ref, dm_ref, carried_ref, dw_scr, acc_scr = rest[P:]
-        n = n_of(pl.program_id(2))
-
-        @pl.when(pl.program_id(2) == 0)
-        def _():
-            dw_scr[...] = jnp.zeros_like(dw_scr)
-            for j in range(P):
-                acc_scr[j] = jnp.zeros((), F32)
-
-        lives, merges, ats = counter_flags(n, P)
-        d_merged, dWs, acc = take([dw_scr[j] for j in range(P)], [acc_scr[j] for j in range(P)],
-                                  ats)
-        dm_ref[...] = d_merged.astype(dm_ref.dtype)
-        carried_ref[...] = at_end(sum(acc), c)[None, :]
-        *_, dWs, dlogs = chunk_backward(
-            q_ref[...], k_ref[...], v_ref[...], b_ref[0], [lam_ref[lev] for lev in range(Ln)],
-            lambda j: w_refs[j][...].astype(F32), [s_ref[0, j] for j in range(P)], lives, merges,
-            do_ref[...], d_merged, dWs, 0.0)
-        for j in range(P):
-            dw_scr[j] = dWs[j]
-            acc_scr[j] = acc[j] + dlogs[j]
-
-    dM, carried = pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct((B, H, N, d, dv), q.dtype),
-                           jax.ShapeDtypeStruct((B, H, N, 1, c), F32)], grid=(B, H, N),
-        in_specs=[*specs_in, *_slots(d, dv, N, P, n_of), tile(dv)],
-        out_specs=[chunk(d, dv), chunk(1, c)],
-        scratch_shapes=[pltpu.VMEM((P, d, dv), F32), pltpu.SMEM((P,), F32)],
-        compiler_params=compiler_params(interpret), interpret=interpret,
-    )(*args, *([W] * P), heads_first(do))
-    return dM, carried.reshape(1, B, H, Tp)
-
-
-@functools.partial(jax.jit, static_argnames=STATIC)
-def grads(q, k, v, b, lam, s, W, do, dM, *, c, bv=None, num_warps=None, interpret=False):
-    """As ``kernels.gpu.loglinear.grads`` with one value tile: every chunk at once, grid
-    ``(B, H, N)`` all parallel."""
-    B, Tp, H, d = q.shape
-    dv = v.shape[-1]
-    N, Ln, P, tile, lams, chunk, n_of, specs_in, args = _operands(q, k, v, b, lam, s, c, False)
-
-    def kernel(q_ref, k_ref, v_ref, b_ref, lam_ref, s_ref, *rest):
-        w_refs = rest[:P]
-        do_ref, dm_ref, dq_ref, dk_ref, dv_ref, db_ref, dlam_ref = rest[P:]
-        lives, merges, _ = counter_flags(pl.program_id(2), P)
-        dq_ref[...], dk_ref[...], dv_ref[...], db, dlams, *_ = chunk_backward(
-            q_ref[...], k_ref[...], v_ref[...], b_ref[0], [lam_ref[lev] for lev in range(Ln)],
-            lambda j: w_refs[j][...].astype(F32), [s_ref[0, j] for j in range(P)], lives, merges,
-            do_ref[...], dm_ref[...].astype(F32), [jnp.zeros((d, dv), F32)] * P, 0.0)
+    def kq(q_ref, k_ref, v_ref, b_ref, lam_ref, lw_ref, *refs):
+        h_refs, (do_ref, dq_ref, db_ref, dlam_ref, dlw_ref) = refs[:P], refs[P:]
+        n = pl.program_id(2)
+        dq_ref[...], db, dlams, dlw = chunk_backward_q(
+            *_chunk(q_ref, k_ref, v_ref, b_ref, lam_ref, lw_ref), lambda j: h_refs[j][...],
+            [live(n, j) for j in range(P)], do_ref[...])
         db_ref[...] = db[None, :]
-        for lev, dl in enumerate(dlams):
-            dlam_ref[lev:lev + 1, :] = dl[None, :]
+        dlam_ref[...] = jnp.stack(dlams)
+        dlw_ref[...] = jnp.stack(dlw)
 
-    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, d), F32), jax.ShapeDtypeStruct((B, H, Tp, d), F32),
-                 jax.ShapeDtypeStruct((B, H, Tp, dv), F32),
-                 jax.ShapeDtypeStruct((B, H, N, 1, c), F32),
-                 jax.ShapeDtypeStruct((B, H, Ln, Tp), F32)]
-    dq, dk, dvv, db, dlam = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(B, H, N),
-        in_specs=[*specs_in, *_slots(d, dv, N, P, n_of), tile(dv), chunk(d, dv)],
-        out_specs=[tile(d), tile(d), tile(dv), chunk(1, c), lams],
-        compiler_params=compiler_params(interpret, sequential=False), interpret=interpret,
-    )(*args, *([W] * P), heads_first(do), dM)
+    def kkv(q_ref, k_ref, v_ref, b_ref, lam_ref, lw_ref, *refs):
+        dh_refs, (do_ref, dk_ref, dv_ref, dlw_ref) = refs[:P], refs[P:]
+        n = pl.program_id(2)
+        dk_ref[...], dv_ref[...], dlw = chunk_backward_kv(
+            *_chunk(q_ref, k_ref, v_ref, b_ref, lam_ref, lw_ref), lambda j: dh_refs[j][...],
+            [live(n, j) for j in range(P)], do_ref[...])
+        dlw_ref[...] = jnp.stack(dlw)
+
+    do = heads_first(do)
+    dq, db, dlam, dlw1 = _call(
+        kq, [S(B, H, Tp, d), S(B, H, N, 1, c), S(B, H, Li, Tp), S(B, H, P, Tp)], (B, H, N),
+        specs + [tile(dv)], [tile(d), gate, rows(Li), rows(P)], interpret, *args, do)
+    dk, dvv, dlw2 = _call(
+        kkv, [S(B, H, Tp, d), S(B, H, Tp, dv), S(B, H, P, Tp)], (B, H, N),
+        specs[:6] + states + [tile(dv)], [tile(d), tile(dv), rows(P)], interpret,
+        *args[:6], *dHs, do)
     return (heads_first(dq)[None], heads_first(dk)[None], heads_first(dvv),
-            db.reshape(1, B, H, Tp), dlam[None])
+            db.reshape(1, B, H, Tp), dlam[None], (dlw1 + dlw2)[None])

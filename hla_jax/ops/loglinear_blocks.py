@@ -1,0 +1,151 @@
+"""The block form of log-linear Mamba-2 (SPEC §4) on the grid of positions: every level at once,
+no scan over chunks.
+
+Chunk ``n' < n`` is at level ``lc + 1 + j`` (``c = 2^lc``), ``j = bit_length(n XOR n') − 1``:
+``n'`` lies in the left half and ``n`` in the right half of the aligned block of ``2^(j+1)``
+chunks that holds both.  So chunk level ``j`` is "the left half writes, the right half reads".
+With ``m`` the left half's last token and its state
+
+    H_j = Σ_{s ∈ left} D(m, s) k_s v_sᵀ                                    [d, dv] per block
+
+a token ``t`` of the right half reads ``λ_t^{lc+1+j} D(t, m) q_tᵀ H_j``.  Each level is two
+batched matmuls over half the tokens (one contracts the left half, one broadcasts ``H_j`` over
+the right half), the levels are independent, and inside a chunk levels ``0..lc`` are a masked
+attention ``(Λ ∘ (QKᵀ) ∘ Γ) V``.  O(T·c·d + T·d·dv·log(T/c)) work, all of it matmuls;
+autodiff gives the backward.  The decays ``D(m, s)`` and ``D(t, m)`` are cumulative sums inside
+one half (never differences of long sums), so a reset ``g = −∞`` just zeroes what crosses it.
+
+16-bit inputs run the matmuls on 16-bit operands with float32 accumulation, forward and backward
+(``dot16``: the cotangent is rounded to the operands' dtype, as the kernels do); the states,
+decays and outputs are float32.  Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from hla_jax.ops import common, fenwick
+
+F32 = jnp.float32
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def dot16(spec: str, a, b):
+    """``einsum(spec, a, b)`` accumulated in float32; the backward's products take the
+    cotangent in the operands' dtype (for 16-bit operands: 16-bit matmuls both ways)."""
+    return jnp.einsum(spec, a, b, preferred_element_type=F32)
+
+
+def _dot16_fwd(spec, a, b):
+    return dot16(spec, a, b), (a, b)
+
+
+def _dot16_bwd(spec, res, ct):
+    """``da = einsum(out,b->a)``, ``db = einsum(a,out->b)``: every index of an operand is in the
+    other operand or the output (true of the products here)."""
+    a, b = res
+    (sa, sb), so = spec.split("->")[0].split(","), spec.split("->")[1]
+    ct = ct.astype(a.dtype)
+    return (dot16(f"{so},{sb}->{sa}", ct, b).astype(a.dtype),
+            dot16(f"{sa},{so}->{sb}", a, ct).astype(b.dtype))
+
+
+dot16.defvjp(_dot16_fwd, _dot16_bwd)
+
+
+def halves(x, span: int):
+    """``[B,H,Tp,...] -> [B,H,nb,2,span,...]``: aligned blocks of ``2·span`` tokens (zero-padded),
+    their left and right halves."""
+    B, H, Tp = x.shape[:3]
+    nb = -(-Tp // (2 * span))
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, nb * 2 * span - Tp)] + [(0, 0)] * (x.ndim - 3))
+    return x.reshape((B, H, nb, 2, span) + x.shape[3:])
+
+
+def level_decays(G, span: int):
+    """``(log D(m, s), log D(t, m))``, each ``[B,H,nb,span]``: from a token ``s`` of a left half
+    to its end ``m``, and from ``m`` to a token ``t`` of the right half, for the aligned blocks
+    of ``2·span`` tokens of ``G [B,H,Tp]`` (log-decays); cumulative sums inside one half."""
+    Gh = halves(G, span)
+    after = jnp.pad(Gh[:, :, :, 0, 1:], [(0, 0)] * 3 + [(0, 1)])    # g_{s+1}, 0 past m
+    return jnp.flip(jnp.cumsum(jnp.flip(after, -1), -1), -1), jnp.cumsum(Gh[:, :, :, 1], -1)
+
+
+def _chunk_decay(G):
+    """``Γ[..., τ, σ] = D(τ, σ)`` on ``σ ≤ τ`` inside each chunk (``G: [..., c]`` log-decays):
+    ``exp(b_τ − b_σ)`` from the chunk-local cumulative sums of the finite log-decays, zero where
+    a reset ``g = −∞`` lies in ``(σ, τ]`` (a count of resets, so no ``−∞ − (−∞)``)."""
+    reset = jnp.isneginf(G)
+    b = jnp.cumsum(jnp.where(reset, 0.0, G), -1)
+    r = jnp.cumsum(reset.astype(jnp.int32), -1)
+    c = G.shape[-1]
+    keep = jnp.tril(jnp.ones((c, c), bool)) & (r[..., :, None] == r[..., None, :])
+    return jnp.where(keep, jnp.exp(jnp.where(keep, b[..., :, None] - b[..., None, :], 0.0)), 0.0)
+
+
+def _intra(Q, K, V, G, Lam, lc: int, dot):
+    """Levels ``0..lc`` inside each chunk: ``(Λ ∘ (QKᵀ) ∘ Γ) V`` with ``Λ[τ,σ] = λ_τ^{ℓ(τ,σ)}``
+    from the static table (``Q, K: [B,H,N,c,d]``, ``G: [B,H,N,c]``, ``Lam: [B,H,N,c,L]``)."""
+    table = jnp.asarray(fenwick.level_table(1 << lc))
+    lam = sum(jnp.where(table == lev, Lam[..., lev, None], 0.0) for lev in range(lc + 1))
+    P = dot("...td,...sd->...ts", Q, K) * _chunk_decay(G) * lam
+    return dot("...ts,...sv->...tv", P.astype(V.dtype), V)
+
+
+def token_weights(G, Lam, lc: int, N: int):
+    """``LW: [B,H,P,Tp]``, ``P = bit_length(N − 1)`` chunk levels: at level ``j`` a token of a
+    left half weighs ``D(m, s)`` in ``H_j``, one of a right half reads ``H_j`` with
+    ``λ_t^{lc+1+j} D(t, m)`` (``G [B,H,Tp]`` log-decays, ``Lam [B,H,Tp,L]``, ``N`` chunks)."""
+    B, H, Tp = G.shape
+    rows = []
+    for j in range(fenwick.num_levels(N) - 1):
+        span = (Tp // N) << j
+        left, right = level_decays(G, span)
+        lam = halves(Lam[..., lc + 1 + j], span)[:, :, :, 1]
+        rows.append(jnp.stack([jnp.exp(left), lam * jnp.exp(right)], 3).reshape(B, H, -1)[:, :, :Tp])
+    return jnp.stack(rows, 2) if rows else jnp.zeros((B, H, 0, Tp), G.dtype)
+
+
+def _levels(Q, K, V, LW, N: int, dot):
+    """The chunk levels (module docstring): per level the left halves' states
+    ``H_j = (LW_j ∘ K)ᵀ V`` and the right halves' reads ``(LW_j ∘ Q) H_j``; ``[B,H,Tp,dv]``."""
+    B, H, Tp = Q.shape[:3]
+    out = 0.0
+    for j in range(LW.shape[2]):
+        span = (Tp // N) << j
+        Qh, Kh, Vh, Wh = (halves(x, span) for x in (Q, K, V, LW[:, :, j]))
+        Hj = dot("bhnsd,bhnse->bhnde", (Wh[:, :, :, 0, :, None] * Kh[:, :, :, 0]).astype(Q.dtype),
+                 Vh[:, :, :, 0])
+        Oj = dot("bhntd,bhnde->bhnte", (Wh[:, :, :, 1, :, None] * Qh[:, :, :, 1]).astype(Q.dtype),
+                 Hj.astype(Q.dtype))
+        out = out + jnp.stack([jnp.zeros_like(Oj), Oj], 3).reshape(B, H, -1, Oj.shape[-1])[:, :, :Tp]
+    return out
+
+
+def blocks(q, k, v, g, lam, chunk_size: int = 64):
+    """Log-linear Mamba-2 ``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} D(t,s) (q_t·k_s) v_s`` in the block form
+    (module docstring): ``q, k [B,T,H,d]``, ``v [B,T,H,dv]``, ``g [B,T,H]`` log-decays,
+    ``lam [B,T,H,L ≥ fenwick.num_levels(T)]``, ``chunk_size`` a power of two -> ``[B,T,H,dv]``
+    float32 (float64 for float64 inputs)."""
+    B, T, H, _ = q.shape
+    lc = fenwick.chunk_log2(chunk_size)
+    c = chunk_size
+    N = -(-T // c)
+    low = all(jnp.dtype(x.dtype).itemsize < 4 for x in (q, k, v))
+    mdt = q.dtype if low else common.state_dtype(q, k, v, g, lam)   # matmul operands
+    sdt = F32 if low else mdt                                        # states, decays, outputs
+    dot = dot16 if low else functools.partial(jnp.einsum, precision=common.HIGHEST)
+
+    def heads_first(x, dtype):  # [B,T,H,...] -> [B,H,Tp,...], zero-padded
+        x = jnp.pad(x.astype(dtype), [(0, 0), (0, N * c - T)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x, 2, 1)
+
+    Q, K, V = (heads_first(x, mdt) for x in (q, k, v))
+    G, Lam = heads_first(g, sdt), heads_first(lam, sdt)
+    chunk = lambda x: x.reshape(x.shape[:2] + (N, c) + x.shape[3:])       # noqa: E731
+    out = _intra(*(chunk(x) for x in (Q, K, V, G, Lam)), lc, dot).reshape(B, H, N * c, -1)
+    out = out + _levels(Q, K, V, token_weights(G, Lam, lc, N), N, dot)
+    return jnp.moveaxis(out, 1, 2)[:, :T].astype(sdt)
