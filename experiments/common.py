@@ -184,6 +184,23 @@ def train_workdirs(configs: dict, root) -> dict:
     return out
 
 
+def train_summary(workdir) -> dict | None:
+    """What the trainer logged in ``workdir/metrics.jsonl``: the median train ``tokens_per_s``
+    (the first record, with its compile, left out), the last train loss and the last eval loss;
+    None without a log."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("split") == "train"]
+    evals = [r for r in records if r.get("split") == "eval"]
+    speeds = sorted(r["tokens_per_s"] for r in train[1:] if r.get("tokens_per_s"))
+    return {"tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
+            "train_loss": train[-1]["loss"] if train else None,
+            "eval_loss": evals[-1]["loss"] if evals else None,
+            "steps": train[-1]["step"] if train else 0}
+
+
 def label(c) -> str:
     """The mixer pattern, plus the linear/HLA options that change the operator (when it has a
     linear or HLA mixer, the ones they apply to)."""

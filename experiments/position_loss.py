@@ -7,8 +7,9 @@ For each checkpoint (the newest in each ``train_and_evaluate`` workdir, restored
 trainer's ``init_state`` + ``Checkpointer``), the next-token loss of ``--batches`` held-out batches
 of its own data config (``--seq_len`` overrides the length, e.g. to probe beyond training) is
 averaged per position ``t`` (masked targets only) and in power-of-two buckets
-``[2^k, 2^(k+1))`` of the 1-based position. A mixer that uses long context well keeps lowering
-its loss at late positions; a fixed-size state flattens out. ``--train`` first trains
+``[2^k, 2^(k+1))`` of the 1-based position, with what the trainer logged (``train``: median
+tokens/s, last train and eval loss; ``common.train_summary``). A mixer that uses long context
+well keeps lowering its loss at late positions; a fixed-size state flattens out. ``--train`` first trains
 ``configs/lm.py`` (``size=tiny`` with the overrides below) for each mixer into ``--workroot``.
 Writes ``position_loss_<tag>.{json,png,md}`` under ``--out``.
 """
@@ -77,7 +78,7 @@ def position_loss(workdir, seq_len: int, batch: int, batches: int) -> dict:
         buckets.append({"lo": lo, "hi": hi, "loss": float(total[lo - 1:hi - 1].sum() / n) if n else None})
         k += 1
     return {"label": common.label(c), "workdir": str(workdir), "step": int(step),
-            "seq_len": c.data.seq_len, "data": c.data.kind,
+            "seq_len": c.data.seq_len, "data": c.data.kind, "train": common.train_summary(workdir),
             "mean_loss": float(total.sum() / max(count.sum(), 1)),
             "per_position": [None if np.isnan(v) else float(v) for v in per_pos], "buckets": buckets}
 
@@ -85,8 +86,10 @@ def position_loss(workdir, seq_len: int, batch: int, batches: int) -> dict:
 def table(res: dict) -> str:
     entries = list(res["runs"].values())
     edges = [(b["lo"], b["hi"]) for b in entries[0]["buckets"]]
-    head = ["mixer", "step", "mean"] + [f"{lo}-{hi - 1}" for lo, hi in edges]
-    rows = [[e["label"], e["step"], f"{e['mean_loss']:.3f}"]
+    head = ["mixer", "step", "train tok/s", "mean"] + [f"{lo}-{hi - 1}" for lo, hi in edges]
+    speed = lambda e: (f"{e['train']['tokens_per_s']:.0f}"  # noqa: E731
+                       if (e.get("train") or {}).get("tokens_per_s") else "–")
+    rows = [[e["label"], e["step"], speed(e), f"{e['mean_loss']:.3f}"]
             + ["–" if b["loss"] is None else f"{b['loss']:.3f}" for b in e["buckets"]] for e in entries]
     return (f"Eval loss (nats/token) by 1-based position bucket, T={entries[0]['seq_len']}, "
             f"{res['settings']['batches']}x{res['settings']['batch']} examples.\n\n"

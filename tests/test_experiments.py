@@ -36,6 +36,7 @@ def test_position_loss_trains_and_reads_checkpoints(tmp_path):
     assert all(np.isfinite(b["loss"]) for b in run["buckets"])
     # a uniform model would have log(256) = 5.5 nats: 4 steps cannot be far from it
     assert 3.0 < run["mean_loss"] < 7.0 and "| linear (decay, conv) | 4 |" in md  # the defaults
+    assert run["train"]["steps"] == 4 and run["train"]["train_loss"] > 0  # the trainer's log
 
 
 def test_niah_trains_and_evaluates_lengths(tmp_path):
