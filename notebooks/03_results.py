@@ -96,12 +96,13 @@ for res in load("kernels_bench.json", "python experiments/bench_kernels.py").val
 # %%
 for res in load("train_throughput_*.json", "python experiments/train_throughput.py").values():
     ok = [r for r in res["rows"] if "tokens_per_s" in r]
+    name = lambda r: r["mixer"] + ("" if r.get("pack", True) else " (plain rows)")  # noqa: E731
     display(Markdown(common.markdown_table(
         ["mixer", "params", "tokens/s", "MFU", "peak GiB", "final loss"],
-        [[r["mixer"], f"{r['params'] / 1e6:.1f}M", f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%",
+        [[name(r), f"{r['params'] / 1e6:.1f}M", f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%",
           f"{r['peak_bytes'] / 2**30:.1f}", f"{r['final_loss']:.3f}"] for r in ok])))
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.barh([r["mixer"] for r in ok], [r["tokens_per_s"] for r in ok])
+    ax.barh([name(r) for r in ok], [r["tokens_per_s"] for r in ok])
     ax.set(xlabel=f"tokens/s ({ok[0]['device']}, T={ok[0]['seq_len']})")
     ax.invert_yaxis()
     plt.show()
