@@ -13,9 +13,11 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
 from hla_jax import data
+from hla_jax.nn import LM, ModelConfig, param_count
 from hla_jax.train import (
     MetricWriter,
     check_config,
@@ -251,6 +253,14 @@ def test_batch_and_time_must_divide_over_the_mesh():
         load_config("lm", "mixer=transformer")
     with pytest.raises(ValueError, match="unknown config argument"):
         load_config("mqar", "mixer=hla2,kv=3")
+
+
+@pytest.mark.parametrize("mixer", ["softmax", "loglinear_mamba2"])
+def test_30m_size_is_about_30m_parameters_and_reaches_twice_its_length(mixer):
+    c = load_config("lm", f"mixer={mixer},size=30m")
+    params = param_count(nnx.eval_shape(lambda: LM(ModelConfig.from_dict(c.model.to_dict()),
+                                                   rngs=nnx.Rngs(0))))
+    assert 30e6 < params < 40e6 and c.data.seq_len == 4096 and c.model.max_seq_len == 8192
 
 
 def first_bad_step(path, seq_len=64, batch=4, vocab=256):
