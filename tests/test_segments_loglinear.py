@@ -188,11 +188,12 @@ def test_step_continues_a_chunked_prefill(x64, rng, name):
 def test_errors(rng):
     q, k, v, g, beta, lam = _inputs(rng, T=16, dtype=np.float32)
     seg = _segment_ids(((5, 11), (16,)))
-    for arg, kw in [("segment_ids", {"segment_ids": seg}),
-                    ("return_final_state", {"return_final_state": True}),
+    for arg, kw in [("return_final_state", {"return_final_state": True}),
                     ("initial_state", {"initial_state": loglinear.init_state(2, 2, 5, 3, 5)})]:
         with pytest.raises(ValueError, match=f"take no {arg}.*chunked"):
             loglinear.loglinear_mamba2(q, k, v, g, lam, impl="pallas", **kw)
+    with pytest.raises(ValueError, match="take no segment_ids.*chunked"):
+        loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="pallas", segment_ids=seg)
     with pytest.raises(ValueError, match="segment_ids must be an integer array"):
         loglinear.gated_deltanet(q, k, v, g, beta, segment_ids=seg[:, :8])
     with pytest.raises(ValueError, match="LevelState"):

@@ -19,9 +19,11 @@ exact, its autodiff carries ``dlw`` into ``dg`` and ``dλ``).  Kernels (``kernel
   and ``dlw``, reading ``H_j`` where the chunk reads and ``dH_j`` where it writes.
 
 O(T·c·d + T·d·dv·log(T/c)) work, every state in HBM once per level (``N`` states of ``d×dv`` in
-all, in the input dtype).  Backends: ``interpret=None`` runs compiled on GPU/TPU and in
-interpret mode on CPU.  The NVIDIA path (Triton lowering) is checked on an H200 in bf16 and
-float32 (``experiments/check_kernels_gpu.py``; float32 at ``d >= 128`` with tiles of 32,
+all, in the input dtype).  Packed documents (``segment_ids``) run on a buffer of ``2T`` tokens in
+which each document starts on an aligned block of its own (``_packed``; not yet run on a GPU).
+Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
+path (Triton lowering) is checked on an H200 in bf16 and float32
+(``experiments/check_kernels_gpu.py``; float32 at ``d >= 128`` with tiles of 32,
 ``wrap.F32_GPU_TILE``); the TPU path (Mosaic) passes the Mosaic lowering but runs in interpret
 mode only: no TPU was available.  Inputs other than all-bf16 run in float32; ``d`` is
 zero-padded to a power of two >= 16, ``dv`` to a multiple of the value tiles, ``T`` to a
@@ -38,9 +40,9 @@ import jax.numpy as jnp
 
 from hla_jax.kernels.wrap import backend_module, chunk_gate, launch, pad, pow2_at_least
 from hla_jax.ops import fenwick
-from hla_jax.ops.common import check_gate, check_qkv
+from hla_jax.ops.common import check_gate, check_qkv, check_segment_ids, doc_positions
 from hla_jax.ops.loglinear import check_lam
-from hla_jax.ops.loglinear_blocks import token_weights
+from hla_jax.ops.loglinear_blocks import aligned_layout, token_weights
 
 
 class Config(NamedTuple):
@@ -105,10 +107,29 @@ def _core_bwd(cfg, res, do):
 loglinear_core.defvjp(_core_fwd, _core_bwd)
 
 
-def loglinear_mamba2_pallas(q, k, v, g, lam, *, chunk_size=64, interpret=None, block_v=128,
-                            block_v_bwd=128, num_warps=4, platform=None):
+def _packed(q, k, v, g, lam, segment_ids, **kw):
+    """Packed documents through the kernels on ``aligned_layout``'s buffer: every document
+    starts at a multiple of its length rounded up to a power of two (so the grid's levels are its
+    own) behind a reset, the rest of the buffer is zeros; the outputs are gathered back."""
+    dest, Tb = aligned_layout(segment_ids)
+    g = jnp.where(doc_positions(segment_ids)[..., None] == 0, -jnp.inf, g)
+
+    def spread(x):
+        return jax.vmap(lambda d, x: jnp.zeros((Tb,) + x.shape[1:], x.dtype).at[d].set(x))(dest, x)
+
+    L = fenwick.num_levels(Tb)
+    lam = jnp.pad(lam, ((0, 0),) * 3 + ((0, max(0, L - lam.shape[-1])),))
+    o = loglinear_mamba2_pallas(*(spread(x) for x in (q, k, v, g, lam)), **kw)
+    return jnp.take_along_axis(o, dest[:, :, None, None], axis=1)
+
+
+def loglinear_mamba2_pallas(q, k, v, g, lam, *, segment_ids=None, chunk_size=64, interpret=None,
+                            block_v=128, block_v_bwd=128, num_warps=4, platform=None):
     """Log-linear Mamba-2 via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
 
+    ``segment_ids [B,T]`` int: packed documents (SPEC §8), each computed as if alone: the row
+    is laid out in a buffer of ``2T`` tokens where each document starts on its own aligned
+    block (``ops.loglinear_blocks.aligned_layout``), so the kernels do up to twice the work.
     ``block_v`` / ``block_v_bwd`` (the value tiles of the forward and backward kernels, powers
     of two >= 16, at most ``dv`` rounded up to a power of two), ``num_warps`` (Triton) and
     ``platform`` ("gpu" | "tpu"; default from ``jax.default_backend()``) tune the kernels.
@@ -117,6 +138,11 @@ def loglinear_mamba2_pallas(q, k, v, g, lam, *, chunk_size=64, interpret=None, b
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name, required=True)
     lam = check_lam(lam, B, T, H, name=name)
+    segment_ids = check_segment_ids(segment_ids, B, T, name=name)
+    if segment_ids is not None:
+        return _packed(q, k, v, jnp.broadcast_to(g, (B, T, H)), lam, segment_ids,
+                       chunk_size=chunk_size, interpret=interpret, block_v=block_v,
+                       block_v_bwd=block_v_bwd, num_warps=num_warps, platform=platform)
     c, Tp, dp, dt, interpret, platform, block_v, block_v_bwd = launch(
         name, q, k, v, chunk_size=chunk_size, block_v=block_v, interpret=interpret,
         platform=platform, block_v_bwd=block_v_bwd)

@@ -216,8 +216,10 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     given = [arg for arg, x in (("segment_ids", segment_ids), ("initial_state", initial_state),
                                 ("return_final_state", return_final_state or None))
              if x is not None]
-    if lam is not None and impl == "pallas" and given:
-        raise ValueError(f"{name}: the log-linear Pallas kernels take no {given[0]}; "
+    # the log-linear kernels take no states; log-linear Mamba-2's takes packed documents
+    refused = [a for a in given if not (a == "segment_ids" and name == "loglinear_mamba2")]
+    if lam is not None and impl == "pallas" and refused:
+        raise ValueError(f"{name}: the log-linear Pallas kernels take no {refused[0]}; "
                          f"impl='chunked' does")
     if (impl == "auto" and name in KERNELS and not (lam is not None and given)
             and common.pallas_preferred(seq_axis, chunk_size, q, k, v)
@@ -226,7 +228,7 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     if impl == "pallas":  # the kernels take g=None as no decay
         extra = [x for x in (beta, lam) if x is not None]
         state = (dict(initial_state=initial_state, return_final_state=return_final_state)
-                 if lam is None else {})
+                 if lam is None else {"segment_ids": segment_ids} if segment_ids is not None else {})
         g = common.reset_gate(g, segment_ids, B, T, H, q.dtype, seq_axis)
         return common.pallas_entry(name)(q, k, v, g, *extra, chunk_size=chunk_size, **state)
     g = common.gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)
@@ -261,8 +263,10 @@ def loglinear_mamba2(q, k, v, g, lam, *, segment_ids=None, initial_state=None,
     ``seq_axis``): the block form (``ops.loglinear_blocks``, no scan); with them: the counter
     form (``ops.loglinear_chunked``).  ``impl="pallas"``:
     ``hla_jax.kernels.loglinear_mamba2_pallas`` (the block form's kernels; none of the three
-    arguments above); "auto" takes it on a GPU for bf16 inputs without them
-    (``common.pallas_preferred``), else "chunked".
+    arguments above but ``segment_ids``, which it runs on an aligned layout of up to ``2T``
+    tokens); "auto" takes it on a GPU for bf16 inputs without any of the three
+    (``common.pallas_preferred``), else "chunked" (with ``segment_ids`` too: that kernel path
+    has not run on a GPU yet).
     """
     return run("loglinear_mamba2", q, k, v, g, None, lam, impl=impl, chunk_size=chunk_size,
                log_levels=True, seq_axis=seq_axis, segment_ids=segment_ids,

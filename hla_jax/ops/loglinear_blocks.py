@@ -74,6 +74,23 @@ def level_decays(G, span: int):
     return jnp.flip(jnp.cumsum(jnp.flip(after, -1), -1), -1), jnp.cumsum(Gh[:, :, :, 1], -1)
 
 
+def aligned_layout(segment_ids):
+    """``(dest [B,T] int32, Tb = 2T)``: where each token of a packed row goes in a buffer in
+    which every document starts at a multiple of ``2^⌈log2 L⌉`` (``L`` its length), so the
+    levels on the grid of the buffer's positions are the document's own,
+    ``bit_length((t−t0) XOR (s−t0))``.  The documents are placed by those slots in decreasing
+    order, so each offset is a multiple of its slot; the slots sum to less than ``2T``."""
+    B, T = segment_ids.shape
+    doc = jnp.cumsum(common.doc_starts(segment_ids), axis=1, dtype=jnp.int32)
+    length = jax.vmap(lambda d: jnp.zeros(T, jnp.int32).at[d].add(1))(doc)
+    slot = jnp.where(length > 0, 1 << fenwick.bit_length(jnp.maximum(length - 1, 0)), 0)
+    order = jnp.argsort(-slot, axis=1, stable=True)
+    sizes = jnp.take_along_axis(slot, order, axis=1)
+    offset = jax.vmap(lambda o, x: jnp.zeros(T, jnp.int32).at[o].set(x))(
+        order, jnp.cumsum(sizes, axis=1) - sizes)
+    return jnp.take_along_axis(offset, doc, axis=1) + common.doc_positions(segment_ids), 2 * T
+
+
 def _chunk_decay(G):
     """``Γ[..., τ, σ] = D(τ, σ)`` on ``σ ≤ τ`` inside each chunk (``G: [..., c]`` log-decays):
     ``exp(b_τ − b_σ)`` from the chunk-local cumulative sums of the finite log-decays, zero where
