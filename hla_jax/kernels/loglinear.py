@@ -42,7 +42,7 @@ from hla_jax.kernels.wrap import backend_module, chunk_gate, launch, pad, pow2_a
 from hla_jax.ops import fenwick
 from hla_jax.ops.common import check_gate, check_qkv, check_segment_ids, doc_positions
 from hla_jax.ops.loglinear import check_lam
-from hla_jax.ops.loglinear_blocks import aligned_layout, token_weights
+from hla_jax.ops.loglinear_blocks import aligned_layout, heads_first, token_weights
 
 
 class Config(NamedTuple):
@@ -149,9 +149,7 @@ def loglinear_mamba2_pallas(q, k, v, g, lam, *, segment_ids=None, chunk_size=64,
     bv, bvb = (min(x, pow2_at_least(max(dv, 16))) for x in (block_v, block_v_bwd))
     dvp = -(-dv // max(bv, bvb)) * max(bv, bvb)
     lc, N = fenwick.chunk_log2(c), Tp // c
-    G = jnp.swapaxes(jnp.pad(g.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0))), 1, 2)
-    Lam = jnp.pad(jnp.swapaxes(lam.astype(jnp.float32), 1, 2), ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
-    lw = token_weights(G, Lam, lc, N)
+    lw = token_weights(heads_first(g, Tp, jnp.float32), heads_first(lam, Tp, jnp.float32), lc, N)
     if N == 1:  # no chunk level: one level of zero weights keeps every kernel input non-empty
         lw = jnp.zeros((B, H, 1, Tp), jnp.float32)
     qp, kp = (pad(x.astype(dt), Tp, dp) for x in (q, k))

@@ -216,7 +216,6 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     given = [arg for arg, x in (("segment_ids", segment_ids), ("initial_state", initial_state),
                                 ("return_final_state", return_final_state or None))
              if x is not None]
-    # the log-linear kernels take no states; log-linear Mamba-2's takes packed documents
     refused = [a for a in given if not (a == "segment_ids" and name == "loglinear_mamba2")]
     if lam is not None and impl == "pallas" and refused:
         raise ValueError(f"{name}: the log-linear Pallas kernels take no {refused[0]}; "
@@ -227,8 +226,10 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
         impl = "pallas"
     if impl == "pallas":  # the kernels take g=None as no decay
         extra = [x for x in (beta, lam) if x is not None]
-        state = (dict(initial_state=initial_state, return_final_state=return_final_state)
-                 if lam is None else {"segment_ids": segment_ids} if segment_ids is not None else {})
+        if lam is None:
+            state = dict(initial_state=initial_state, return_final_state=return_final_state)
+        else:  # of the log-linear kernels only log-linear Mamba-2's takes packed documents
+            state = dict(segment_ids=segment_ids) if name == "loglinear_mamba2" else {}
         g = common.reset_gate(g, segment_ids, B, T, H, q.dtype, seq_axis)
         return common.pallas_entry(name)(q, k, v, g, *extra, chunk_size=chunk_size, **state)
     g = common.gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)

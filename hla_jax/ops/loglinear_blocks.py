@@ -56,6 +56,12 @@ def _dot16_bwd(spec, res, ct):
 dot16.defvjp(_dot16_fwd, _dot16_bwd)
 
 
+def heads_first(x, Tp: int, dtype):
+    """``[B,T,H,...] -> [B,H,Tp,...]`` in ``dtype``, zero-padded to ``Tp`` tokens."""
+    x = jnp.pad(x.astype(dtype), [(0, 0), (0, Tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x, 2, 1)
+
+
 def halves(x, span: int):
     """``[B,H,Tp,...] -> [B,H,nb,2,span,...]``: aligned blocks of ``2·span`` tokens (zero-padded),
     their left and right halves."""
@@ -156,12 +162,8 @@ def blocks(q, k, v, g, lam, chunk_size: int = 64):
     sdt = F32 if low else mdt                                        # states, decays, outputs
     dot = dot16 if low else functools.partial(jnp.einsum, precision=common.HIGHEST)
 
-    def heads_first(x, dtype):  # [B,T,H,...] -> [B,H,Tp,...], zero-padded
-        x = jnp.pad(x.astype(dtype), [(0, 0), (0, N * c - T)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x, 2, 1)
-
-    Q, K, V = (heads_first(x, mdt) for x in (q, k, v))
-    G, Lam = heads_first(g, sdt), heads_first(lam, sdt)
+    Q, K, V = (heads_first(x, N * c, mdt) for x in (q, k, v))
+    G, Lam = heads_first(g, N * c, sdt), heads_first(lam, N * c, sdt)
     chunk = lambda x: x.reshape(x.shape[:2] + (N, c) + x.shape[3:])       # noqa: E731
     out = _intra(*(chunk(x) for x in (Q, K, V, G, Lam)), lc, dot).reshape(B, H, N * c, -1)
     out = out + _levels(Q, K, V, token_weights(G, Lam, lc, N), N, dot)
