@@ -92,7 +92,8 @@ CASES = [
       for T, d, dv, gate in ((1000, 128, 128, "reset"), (700, 64, 192, "token"), (1000, 128, 128, "docs"))],
     *[Case(n, B, T, 2, 128, dv, "token", False, dt) for n in LOGLINEAR
       for B, T, dv, dt in ((2, 300, 64, "float32"), (1, 1000, 128, "float32"), (2, 1000, 128, "bfloat16"))],
-    Case("loglinear_mamba2", 2, 1000, 2, 128, 128, "docs", False, "bfloat16"),
+    *[Case("loglinear_mamba2", B, T, 2, 128, 128, "docs", False, dt)
+      for B, T, dt in ((2, 1000, "bfloat16"), (1, 700, "float32"))],
     *[Case("loglinear_mamba2_blocks", B, T, 2, 128, 128, gate, False, dt)
       for B, T, gate, dt in ((2, 1000, "reset", "bfloat16"), (1, 4100, "token", "bfloat16"),
                              (2, 1000, "reset", "float32"))],

@@ -93,9 +93,10 @@ def train_configs(args) -> dict:
     return configs
 
 
-def retrieval(workdir, lengths, needles: int, examples: int, batch: int) -> dict:
-    """``{"single"|"multi": {T: {"accuracy", "row_accuracy"} | None}}`` for one checkpoint."""
-    c, model, step = common.load_model(workdir)
+def retrieval(workdir, lengths, needles: int, examples: int, batch: int, loaded=None) -> dict:
+    """``{"single"|"multi": {T: {"accuracy", "row_accuracy"} | None}}`` for one checkpoint
+    (``loaded``: its ``common.load_model`` if already at hand)."""
+    c, model, step = loaded or common.load_model(workdir)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     eval_step = jax.jit(make_eval_step(graphdef))
     softmax = "softmax" in c.model.mixer_pattern

@@ -56,29 +56,31 @@ def train_configs(args) -> dict:
     return configs
 
 
-def position_loss(workdir, seq_len: int, batch: int, batches: int) -> dict:
-    """Mean masked nll per 0-based position ``t`` over the eval batches of ``workdir``'s data."""
-    c, model, step = common.load_model(workdir)
-    c.data.seq_len = seq_len or c.data.seq_len
-    _, source = data_lib.make_sources(c.data, c.model.vocab_size)
+def position_loss(workdir, seq_len: int, batch: int, batches: int, loaded=None) -> dict:
+    """Mean masked nll per 0-based position ``t`` over the eval batches of ``workdir``'s data
+    (``loaded``: its ``common.load_model`` if already at hand)."""
+    c, model, step = loaded or common.load_model(workdir)
+    data = c.data.copy_and_resolve_references()
+    data.seq_len = T = seq_len or data.seq_len
+    _, source = data_lib.make_sources(data, c.model.vocab_size)
     nll_fn = common.token_nll_fn(model)
-    total = np.zeros(c.data.seq_len)
-    count = np.zeros(c.data.seq_len)
+    total = np.zeros(T)
+    count = np.zeros(T)
     for b in range(batches):
-        x = data_lib.make_batch(source, c.data.seed, data_lib.EVAL, b, np.arange(batch))
+        x = data_lib.make_batch(source, data.seed, data_lib.EVAL, b, np.arange(batch))
         nll, _ = nll_fn({k: jnp.asarray(v) for k, v in x.items()})
         total += np.asarray(nll * x["mask"]).sum(0)
         count += x["mask"].sum(0)
     per_pos = np.where(count > 0, total / np.maximum(count, 1), np.nan)
     buckets = []
     k = 0
-    while 2 ** k <= c.data.seq_len:
-        lo, hi = 2 ** k, min(2 ** (k + 1), c.data.seq_len + 1)  # 1-based [lo, hi)
+    while 2 ** k <= T:
+        lo, hi = 2 ** k, min(2 ** (k + 1), T + 1)  # 1-based [lo, hi)
         n = count[lo - 1:hi - 1].sum()
         buckets.append({"lo": lo, "hi": hi, "loss": float(total[lo - 1:hi - 1].sum() / n) if n else None})
         k += 1
     return {"label": common.label(c), "workdir": str(workdir), "step": int(step),
-            "seq_len": c.data.seq_len, "data": c.data.kind, "train": common.train_summary(workdir),
+            "seq_len": T, "data": data.kind, "train": common.train_summary(workdir),
             "mean_loss": float(total.sum() / max(count.sum(), 1)),
             "per_position": [None if np.isnan(v) else float(v) for v in per_pos], "buckets": buckets}
 

@@ -1,0 +1,198 @@
+"""Long-context language modelling: one recipe for every mixer, then loss by position up to twice
+the training length and needle-in-a-haystack retrieval at it and beyond.
+
+    python experiments/long_context.py --tag h200                 # configs/lm.py size=30m, 8 mixers
+    python experiments/long_context.py --mixers softmax,hla2 --tag h200 --budget 400   # resumable
+    python experiments/long_context.py --size tiny --steps 20 --mixers softmax,mamba2 --tag try
+
+Each mixer trains ``configs/lm.py`` at ``--size`` (30m: d 512, 10 layers, T=4096, batch 8, 1500
+steps, bf16) with the mixer's defaults, the same data, steps, schedule and seed, on plain rows of
+the embedded corpus (``data.pack=False``: a row is a window of the concatenated source files, so
+position t has t tokens of context; packed rows would restart at each file). Then, from its
+checkpoint: the eval loss per token position at ``2T`` (``position_loss.position_loss``: positions
+past T are beyond training; softmax's RoPE table covers 2T), and NIAH zero-shot, single and
+multi-needle, at T and 2T (``niah.retrieval``; the byte LM completes "The magic number is"). The
+trainer's train-loss curve (every ``train.log_every`` steps), median tokens/s and final eval loss
+are kept beside them.
+
+Resumable: results go to ``<out>/long_context_<tag>.{json,png,md}`` after every mixer, and a mixer
+already in the tag's JSON is skipped (the JSON refuses other settings), so several calls with
+``--mixers`` subsets or ``--budget S`` (no mixer starts after S seconds) build one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import common, niah, position_loss  # noqa: E402
+from hla_jax.data import corpus  # noqa: E402
+from hla_jax.nn.lm import param_count  # noqa: E402
+
+MIXERS = "softmax,mamba2,loglinear_mamba2,gated_deltanet,loglinear_gated_deltanet,hla2,ahla,hla3"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mixers", default=MIXERS)
+    p.add_argument("--size", default="30m", help="configs/lm.py size")
+    p.add_argument("--steps", type=int, default=0, help="train steps (0 = the size's)")
+    p.add_argument("--set", default=[], action="append", metavar="KEY=VALUE",
+                   help="config override for every mixer, e.g. model.impl=xla (repeatable)")
+    p.add_argument("--eval_batch", type=int, default=8, help="position-loss examples per batch")
+    p.add_argument("--eval_batches", type=int, default=8, help="position-loss batches")
+    p.add_argument("--needles", type=int, default=4, help="needles in the multi-needle test")
+    p.add_argument("--examples", type=int, default=64, help="NIAH examples per cell")
+    p.add_argument("--budget", type=float, default=0, help="no mixer starts after this many s")
+    p.add_argument("--workroot", default="", help="where the workdirs go (default: temp)")
+    p.add_argument("--tag", default="lm")
+    p.add_argument("--out", default=str(common.RESULTS))
+    return p.parse_args(argv)
+
+
+def config(args, mixer: str):
+    c = common.get_config("lm", f"mixer={mixer},size={args.size}")
+    c.data.pack = False
+    if args.steps:
+        c.train.num_steps = args.steps
+        c.optim.warmup_steps = min(c.optim.warmup_steps, args.steps // 10)
+    return common.apply_set(c, args.set)
+
+
+def settings(args) -> dict:
+    c = config(args, "softmax")
+    tokens, starts = corpus.stdlib_documents()
+    return {"size": args.size, "seq_len": c.data.seq_len, "batch": c.data.batch_size,
+            "steps": c.train.num_steps, "tokens": c.train.num_steps * c.data.batch_size * c.data.seq_len,
+            "learning_rate": c.optim.learning_rate, "warmup": c.optim.warmup_steps,
+            "dtype": c.model.dtype, "d_model": c.model.d_model, "n_layers": c.model.n_layers,
+            "pack": False, "set": list(args.set), "eval_seq_len": 2 * c.data.seq_len,
+            "eval_batch": args.eval_batch, "eval_batches": args.eval_batches, "needles": args.needles,
+            "niah_examples": args.examples,
+            "corpus": f"Python {sys.version.split()[0]} standard library sources, {len(starts)} files, "
+                      f"{tokens.size} bytes"}
+
+
+def curve(workdir) -> list:
+    """``[[step, train loss], ...]`` from the trainer's ``metrics.jsonl``."""
+    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return [[r["step"], r["loss"]] for r in records if r.get("split") == "train"]
+
+
+def evaluate(args, workdir, T: int) -> dict:
+    loaded = common.load_model(workdir)
+    pl = position_loss.position_loss(workdir, 2 * T, args.eval_batch, args.eval_batches, loaded)
+    nh = niah.retrieval(workdir, [T, 2 * T], args.needles, args.examples, 16, loaded)
+    return {**pl, "params": param_count(loaded[1]), "curve": curve(workdir),
+            "niah": {k: nh[k] for k in ("single", "multi")}}
+
+
+def span_loss(e: dict, lo: int, hi: int):
+    """Mean eval loss over 1-based positions ``[lo, hi]``."""
+    v = [x for x in e["per_position"][lo - 1:hi] if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def table(res: dict) -> str:
+    s = res["settings"]
+    T = s["seq_len"]
+    acc = lambda e, kind, n: common.fmt((e["niah"][kind].get(str(n)) or {}).get("row_accuracy"))  # noqa: E731
+    num = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
+    head = ["mixer", "params", "train tok/s", "train loss", "eval loss", f"loss 1-{T}",
+            f"loss {T // 2 + 1}-{T}", f"loss {T + 1}-{2 * T}", f"NIAH T={T}", f"NIAH {2 * T}",
+            f"multi T={T}", f"multi {2 * T}"]
+    rows = [[e["label"], f"{e['params'] / 1e6:.1f}M",
+             f"{e['train']['tokens_per_s']:.0f}" if e["train"]["tokens_per_s"] else "–",
+             num(e["train"]["train_loss"]), num(e["train"]["eval_loss"]), num(span_loss(e, 1, T)),
+             num(span_loss(e, T // 2 + 1, T)), num(span_loss(e, T + 1, 2 * T)),
+             acc(e, "single", T), acc(e, "single", 2 * T), acc(e, "multi", T), acc(e, "multi", 2 * T)]
+            for e in res["runs"].values()]
+    return (f"Long-context byte LMs ({s['size']}: d {s['d_model']}, {s['n_layers']} layers, {s['dtype']}), "
+            f"trained at T={T} for {s['steps']} steps of {s['batch']} rows ({s['tokens'] / 1e6:.3g}M "
+            f"tokens, plain rows of {s['corpus']}); eval loss (nats/byte) on "
+            f"{s['eval_batch'] * s['eval_batches']} "
+            f"held-out rows of {2 * T}; NIAH whole-number accuracy (%), {s['niah_examples']} examples, "
+            f"multi = {s['needles']} needles.\n\n" + common.markdown_table(head, rows)
+            + "\n\n" + position_loss.table({"runs": res["runs"], "settings": {
+                "batches": s["eval_batches"], "batch": s["eval_batch"]}}))
+
+
+def plot(res: dict):
+    T = res["settings"]["seq_len"]
+    fig, (a, b, c) = common.figure(3, figsize=(15, 4))
+    for e in res["runs"].values():
+        steps, losses = zip(*e["curve"])
+        line, = a.plot(steps, losses, lw=1, label=e["label"])
+        mids = [np.sqrt(k["lo"] * (k["hi"] - 1)) for k in e["buckets"] if k["loss"] is not None]
+        b.plot(mids, [k["loss"] for k in e["buckets"] if k["loss"] is not None], marker="o",
+               color=line.get_color(), label=e["label"])
+        for kind, style in (("single", "-"), ("multi", "--")):
+            pts = [(int(n), 100 * v["row_accuracy"]) for n, v in e["niah"][kind].items() if v]
+            if pts:
+                c.plot(*zip(*pts), style, marker="o", color=line.get_color())
+    a.set(xlabel="step", ylabel="train loss (nats/byte)", title="training", yscale="log")
+    b.axvline(T, color="gray", ls=":", lw=1)
+    b.set(xscale="log", xlabel="token position", ylabel="eval loss (nats/byte)",
+          title=f"loss by position (bucket means; right of {T}: beyond training)")
+    c.set(xscale="log", xlabel="context length", ylabel="whole-number accuracy (%)", ylim=(-2, 102),
+          title="NIAH (solid: single, dashed: multi-needle)")
+    c.set_xticks([T, 2 * T], [str(T), str(2 * T)])
+    c.minorticks_off()
+    for ax in (a, b, c):
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=7)
+    return fig
+
+
+def write(res: dict, out: pathlib.Path, tag: str) -> str:
+    common.write_json(out / f"long_context_{tag}.json", res)
+    common.save(plot(res), out / f"long_context_{tag}.png")
+    md = table(res)
+    (out / f"long_context_{tag}.md").write_text(md + "\n")
+    return md
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t0, out = time.perf_counter(), pathlib.Path(args.out)
+    res = common.read_json(out / f"long_context_{args.tag}.json")
+    want = settings(args)
+    if res and {k: v for k, v in res["settings"].items() if k != "device"} != want:
+        raise SystemExit(f"{out}/long_context_{args.tag}.json was written with other settings:\n"
+                         f"  file: {res['settings']}\n  now:  {want}\nuse another --tag")
+    res = res or {"tag": args.tag, "settings": {**want, "device": jax.devices()[0].device_kind},
+                  "runs": {}}
+    root = args.workroot or tempfile.mkdtemp(prefix="long_context_")
+    md = ""
+    for mixer in filter(None, args.mixers.split(",")):
+        if mixer in res["runs"]:
+            continue
+        if args.budget and time.perf_counter() - t0 > args.budget:
+            print(f"--budget {args.budget:.0f} s spent: {mixer} and later mixers not started")
+            break
+        start = time.perf_counter()
+        c = config(args, mixer)
+        workdir = common.train_workdirs({mixer: c}, root)[mixer]
+        res["runs"][mixer] = {**evaluate(args, workdir, c.data.seq_len),
+                              "wall_s": time.perf_counter() - start,
+                              "device": jax.devices()[0].device_kind}
+        md = write(res, out, args.tag)
+        print(f"{mixer}: {res['runs'][mixer]['wall_s']:.0f} s", flush=True)
+    if res["runs"]:
+        print(md or write(res, out, args.tag))
+    return res
+
+
+if __name__ == "__main__":
+    main()
