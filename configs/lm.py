@@ -18,8 +18,9 @@ Field meanings: ``hla_jax/train/config.py``.
 Sizes (params with a 256-byte vocabulary; softmax's RoPE table covers twice the training
 length, for evaluations beyond it):
   tiny   d=128, 2 layers, T=256, batch 16, 400 steps: 2-4 minutes on a 2-core CPU
-  30m    d=512, 10 layers, T=4096, batch 8, 1500 steps (32-35M, 49M tokens): one GPU, the
-         long-context comparison (evaluate at 2T: the RoPE table covers it)
+  30m    d=512, 10 layers, T=4096, batch 8, 1000 steps (32-35M, 33M tokens: about one pass over
+         the embedded corpus): one GPU, the long-context comparison (experiments/long_context.py;
+         evaluate at 2T: the RoPE table covers it)
   small  d=768, 12 layers, T=2048, batch 64 (~85M): one GPU
   350m   d=1024, 24 layers, T=2048, batch 128 (~300M): a GPU node, fsdp
   1b     d=2048, 24 layers, T=2048, batch 256 (~1.2B): fsdp over a node or pod slice
@@ -30,7 +31,7 @@ from hla_jax.train.config import base_config, mixer_pattern, take_args
 SIZES = {
     #        d_model layers heads seq_len batch steps  lr     warmup dtype       fsdp
     "tiny": (128, 2, 2, 256, 16, 400, 3e-3, 40, "float32", 1),
-    "30m": (512, 10, 4, 4096, 8, 1500, 1.5e-3, 150, "bfloat16", 1),
+    "30m": (512, 10, 4, 4096, 8, 1000, 1.5e-3, 100, "bfloat16", 1),
     "small": (768, 12, 12, 2048, 64, 20_000, 1e-3, 1000, "bfloat16", 1),
     "350m": (1024, 24, 16, 2048, 128, 40_000, 6e-4, 2000, "bfloat16", -1),
     "1b": (2048, 24, 16, 2048, 256, 60_000, 4e-4, 2000, "bfloat16", -1),

@@ -10,8 +10,10 @@ steps, bf16) with the mixer's defaults, the same data, steps, schedule and seed,
 the embedded corpus (``data.pack=False``: a row is a window of the concatenated source files, so
 position t has t tokens of context; packed rows would restart at each file). Then, from its
 checkpoint: the eval loss per token position at ``2T`` (``position_loss.position_loss``: positions
-past T are beyond training; softmax's RoPE table covers 2T), and NIAH zero-shot, single and
-multi-needle, at T and 2T (``niah.retrieval``; the byte LM completes "The magic number is"). The
+past T are beyond training; softmax's RoPE table covers 2T), and NIAH zero-shot in code, single
+and multi-needle, at T and 2T (``niah.CodeNIAH``: held-out source around a line
+``MAGIC_NUMBER = N``, then ``assert MAGIC_NUMBER == N``; NIAH's English filler sentences are
+out of distribution for a model of source code, and all of them scored 0 there). The
 trainer's train-loss curve (every ``train.log_every`` steps), median tokens/s and final eval loss
 are kept beside them.
 
@@ -71,7 +73,12 @@ def config(args, mixer: str):
 
 def settings(args) -> dict:
     c = config(args, "softmax")
-    tokens, starts = corpus.stdlib_documents()
+    if c.data.path:
+        tokens, starts = corpus.read_documents(corpus.text_files(c.data.path, c.data.pattern))
+        name = f"{c.data.path} ({c.data.pattern})"
+    else:
+        tokens, starts = corpus.stdlib_documents()
+        name = f"Python {sys.version.split()[0]} standard library sources"
     return {"size": args.size, "seq_len": c.data.seq_len, "batch": c.data.batch_size,
             "steps": c.train.num_steps, "tokens": c.train.num_steps * c.data.batch_size * c.data.seq_len,
             "learning_rate": c.optim.learning_rate, "warmup": c.optim.warmup_steps,
@@ -79,8 +86,7 @@ def settings(args) -> dict:
             "pack": False, "set": list(args.set), "eval_seq_len": 2 * c.data.seq_len,
             "eval_batch": args.eval_batch, "eval_batches": args.eval_batches, "needles": args.needles,
             "niah_examples": args.examples,
-            "corpus": f"Python {sys.version.split()[0]} standard library sources, {len(starts)} files, "
-                      f"{tokens.size} bytes"}
+            "corpus": f"{name}, {len(starts)} files, {tokens.size} bytes"}
 
 
 def curve(workdir) -> list:
@@ -93,9 +99,16 @@ def curve(workdir) -> list:
 def evaluate(args, workdir, T: int) -> dict:
     loaded = common.load_model(workdir)
     pl = position_loss.position_loss(workdir, 2 * T, args.eval_batch, args.eval_batches, loaded)
-    nh = niah.retrieval(workdir, [T, 2 * T], args.needles, args.examples, 16, loaded)
+    nh = niah.retrieval(workdir, [T, 2 * T], args.needles, args.examples, 16, loaded, "code")
     return {**pl, "params": param_count(loaded[1]), "curve": curve(workdir),
-            "niah": {k: nh[k] for k in ("single", "multi")}}
+            "niah": {k: nh[k] for k in ("single", "multi", "decoy")}}
+
+
+def gain(e: dict, n: int):
+    """Retrieval gain at length ``n``: nats/digit of the answer with a decoy needle minus with
+    the true one (0: the needle is not used)."""
+    single, decoy = e["niah"]["single"].get(str(n)), e["niah"].get("decoy", {}).get(str(n))
+    return decoy["loss"] - single["loss"] if single and decoy else None
 
 
 def span_loss(e: dict, lo: int, hi: int):
@@ -111,26 +124,28 @@ def table(res: dict) -> str:
     num = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
     head = ["mixer", "params", "train tok/s", "train loss", "eval loss", f"loss 1-{T}",
             f"loss {T // 2 + 1}-{T}", f"loss {T + 1}-{2 * T}", f"NIAH T={T}", f"NIAH {2 * T}",
-            f"multi T={T}", f"multi {2 * T}"]
+            f"multi T={T}", f"multi {2 * T}", f"gain T={T}", f"gain {2 * T}"]
     rows = [[e["label"], f"{e['params'] / 1e6:.1f}M",
              f"{e['train']['tokens_per_s']:.0f}" if e["train"]["tokens_per_s"] else "–",
              num(e["train"]["train_loss"]), num(e["train"]["eval_loss"]), num(span_loss(e, 1, T)),
              num(span_loss(e, T // 2 + 1, T)), num(span_loss(e, T + 1, 2 * T)),
-             acc(e, "single", T), acc(e, "single", 2 * T), acc(e, "multi", T), acc(e, "multi", 2 * T)]
+             acc(e, "single", T), acc(e, "single", 2 * T), acc(e, "multi", T), acc(e, "multi", 2 * T),
+             num(gain(e, T)), num(gain(e, 2 * T))]
             for e in res["runs"].values()]
     return (f"Long-context byte LMs ({s['size']}: d {s['d_model']}, {s['n_layers']} layers, {s['dtype']}), "
             f"trained at T={T} for {s['steps']} steps of {s['batch']} rows ({s['tokens'] / 1e6:.3g}M "
             f"tokens, plain rows of {s['corpus']}); eval loss (nats/byte) on "
             f"{s['eval_batch'] * s['eval_batches']} "
-            f"held-out rows of {2 * T}; NIAH whole-number accuracy (%), {s['niah_examples']} examples, "
-            f"multi = {s['needles']} needles.\n\n" + common.markdown_table(head, rows)
+            f"held-out rows of {2 * T}; code NIAH whole-number accuracy (%), {s['niah_examples']} "
+            f"examples, multi = {s['needles']} needles; gain = loss of the answer's digits with a "
+            f"decoy needle minus with the true one (nats/digit).\n\n" + common.markdown_table(head, rows)
             + "\n\n" + position_loss.table({"runs": res["runs"], "settings": {
                 "batches": s["eval_batches"], "batch": s["eval_batch"]}}))
 
 
 def plot(res: dict):
     T = res["settings"]["seq_len"]
-    fig, (a, b, c) = common.figure(3, figsize=(15, 4))
+    fig, (a, b, c, d) = common.figure(4, figsize=(19, 4))
     for e in res["runs"].values():
         steps, losses = zip(*e["curve"])
         line, = a.plot(steps, losses, lw=1, label=e["label"])
@@ -141,15 +156,22 @@ def plot(res: dict):
             pts = [(int(n), 100 * v["row_accuracy"]) for n, v in e["niah"][kind].items() if v]
             if pts:
                 c.plot(*zip(*pts), style, marker="o", color=line.get_color())
+        pts = [(n, gain(e, n)) for n in (T, 2 * T) if gain(e, n) is not None]
+        if pts:
+            d.plot(*zip(*pts), marker="o", color=line.get_color())
     a.set(xlabel="step", ylabel="train loss (nats/byte)", title="training", yscale="log")
     b.axvline(T, color="gray", ls=":", lw=1)
     b.set(xscale="log", xlabel="token position", ylabel="eval loss (nats/byte)",
           title=f"loss by position (bucket means; right of {T}: beyond training)")
     c.set(xscale="log", xlabel="context length", ylabel="whole-number accuracy (%)", ylim=(-2, 102),
           title="NIAH (solid: single, dashed: multi-needle)")
-    c.set_xticks([T, 2 * T], [str(T), str(2 * T)])
-    c.minorticks_off()
-    for ax in (a, b, c):
+    d.set(xscale="log", xlabel="context length", ylabel="nats/digit",
+          title="NIAH retrieval gain (decoy minus true needle)")
+    d.axhline(0, color="gray", lw=0.8)
+    for ax in (c, d):
+        ax.set_xticks([T, 2 * T], [str(T), str(2 * T)])
+        ax.minorticks_off()
+    for ax in (a, b, c, d):
         ax.grid(alpha=0.3)
     a.legend(fontsize=7)
     return fig

@@ -9,6 +9,9 @@ multi:  ``MultiNIAH``: the same haystack and question, plus ``--needles - 1`` di
 (" The lucky number is M. ", other key words, other numbers) at random depths; the model must
 return the magic number, not a distractor. The question is unchanged, so a single-needle model
 is tested as trained (the trainer has no multi-needle data kind to train on).
+``--haystack code``: ``CodeNIAH``, the same test in Python for byte LMs trained on source code
+(``configs/lm.py``), zero-shot: windows of the checkpoint's held-out corpus around a line
+``MAGIC_NUMBER = N`` (distractors ``LUCKY_NUMBER = M``, ...), then ``assert MAGIC_NUMBER == N``.
 Accuracy per digit (``accuracy``) and per whole number (``row_accuracy``), from the trainer's
 ``make_eval_step`` on ``--examples`` examples per cell. Softmax lengths beyond the checkpoint's
 ``max_seq_len`` (RoPE table) are recorded as null. ``--train`` first trains ``configs/niah.py``
@@ -31,7 +34,7 @@ from flax import nnx  # noqa: E402
 from experiments import common  # noqa: E402
 from hla_jax import data as data_lib  # noqa: E402
 from hla_jax.data.synthetic import NIAH  # noqa: E402
-from hla_jax.train.steps import make_eval_step  # noqa: E402
+from hla_jax.train.steps import eval_summary, make_eval_step  # noqa: E402
 
 DISTRACTOR_KEYS = ("lucky", "secret", "special", "hidden", "winning", "chosen", "best", "first")
 
@@ -71,6 +74,42 @@ class MultiNIAH(NIAH):
         return seq[:-1], seq[1:], mask
 
 
+class CodeNIAH(MultiNIAH):
+    """``MultiNIAH`` in Python source, for byte LMs trained on code (zero-shot): the haystack is
+    windows of ``haystack`` (held-out source bytes, uint8 ``[n]``, each window from a line start),
+    the needle a line ``MAGIC_NUMBER = N``, the distractors ``<KEY>_NUMBER = M``, the question
+    ``assert MAGIC_NUMBER == N`` (targets: the digits of ``N``); ``n_needles=1``: no distractor.
+    ``decoy=True``: the needle holds ``N`` with every digit shifted by 5 (mod 10), so it tells
+    nothing about ``N``: the loss there minus the loss with the true needle is the retrieval gain."""
+
+    QUESTION = b"\nassert MAGIC_NUMBER == "
+    SLACK = 4096  # bytes searched for a line start
+
+    def __init__(self, seq_len: int, haystack: np.ndarray, n_digits: int = 5, n_needles: int = 1,
+                 decoy: bool = False):
+        self.decoy = decoy
+        super().__init__(seq_len, n_digits, n_needles)
+        if haystack.size < seq_len + 2 * self.SLACK:
+            raise ValueError(f"CodeNIAH: a haystack of {haystack.size} bytes is too short for "
+                             f"seq_len={seq_len} (needs {seq_len + 2 * self.SLACK})")
+        self.haystack = haystack
+
+    def _needle(self, number: str) -> bytes:
+        if self.decoy:
+            number = "".join(str((int(c) + 5) % 10) for c in number)
+        return b"\nMAGIC_NUMBER = " + number.encode() + b"\n"
+
+    @staticmethod
+    def _distractor(key: str, number: str) -> bytes:
+        return f"\n{key.upper()}_NUMBER = {number}\n".encode()
+
+    def _filler(self, rng, n: int) -> bytes:
+        start = int(rng.integers(0, self.haystack.size - n - self.SLACK))
+        text = self.haystack[start:start + n + self.SLACK].tobytes()
+        line = text.find(b"\n", 0, self.SLACK) + 1  # 0 when no line starts in the slack
+        return text[line:line + n]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,6 +117,9 @@ def parse_args(argv=None):
                           "--train length (configs/niah.py)")
     p.add_argument("--lengths", default="512,1024,2048,4096", help="eval context lengths")
     p.add_argument("--needles", type=int, default=4, help="needles in the multi-needle test")
+    p.add_argument("--haystack", default="text", choices=("text", "code"),
+                   help="text: NIAH's filler sentences (the training task of configs/niah.py); "
+                        "code: CodeNIAH in the checkpoint's held-out corpus (byte LMs, zero-shot)")
     p.add_argument("--examples", type=int, default=64, help="eval examples per cell")
     p.add_argument("--batch", type=int, default=16, help="eval batch")
     p.add_argument("--tag", default="niah")
@@ -93,29 +135,37 @@ def train_configs(args) -> dict:
     return configs
 
 
-def retrieval(workdir, lengths, needles: int, examples: int, batch: int, loaded=None) -> dict:
-    """``{"single"|"multi": {T: {"accuracy", "row_accuracy"} | None}}`` for one checkpoint
-    (``loaded``: its ``common.load_model`` if already at hand)."""
+def retrieval(workdir, lengths, needles: int, examples: int, batch: int, loaded=None,
+              haystack: str = "text") -> dict:
+    """``{kind: {T: {"loss", "accuracy", "row_accuracy"} | None}}`` for one checkpoint, kinds
+    "single", "multi" and, in code, "decoy" (``loaded``: its ``common.load_model`` if already at
+    hand; ``haystack``: see ``--haystack``)."""
     c, model, step = loaded or common.load_model(workdir)
+    code = data_lib.make_sources(c.data, c.model.vocab_size)[1].tokens if haystack == "code" else None
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     eval_step = jax.jit(make_eval_step(graphdef))
     softmax = "softmax" in c.model.mixer_pattern
     out = {"label": common.label(c), "workdir": str(workdir), "step": int(step),
-           "train_seq_len": c.data.seq_len, "single": {}, "multi": {}}
-    for kind in ("single", "multi"):
+           "train_seq_len": c.data.seq_len, "haystack": haystack}
+    kinds = ("single", "multi") + (("decoy",) if haystack == "code" else ())
+    for kind in kinds:
+        out[kind] = {}
         for T in lengths:
             if softmax and T > c.model.max_seq_len:
                 out[kind][str(T)] = None
                 continue
             n_digits = c.data.niah.n_digits
-            source = NIAH(T, n_digits) if kind == "single" else MultiNIAH(T, n_digits, needles)
+            n = needles if kind == "multi" else 1
+            if haystack == "code":
+                source = CodeNIAH(T, code, n_digits, n, decoy=kind == "decoy")
+            else:
+                source = NIAH(T, n_digits) if n == 1 else MultiNIAH(T, n_digits, n)
             sums = None
             for b in range(-(-examples // batch)):  # examples rounded up to whole batches
                 x = data_lib.make_batch(source, c.data.seed, data_lib.EVAL, b, np.arange(batch)[None])
                 s = jax.device_get(eval_step(params, rest, x))
                 sums = s if sums is None else jax.tree.map(np.add, sums, s)
-            out[kind][str(T)] = {"accuracy": float(sums["correct"] / max(sums["tokens"], 1)),
-                                 "row_accuracy": float(sums["rows_correct"] / max(sums["rows"], 1))}
+            out[kind][str(T)] = {k: float(v) for k, v in eval_summary(sums).items()}
     return out
 
 
@@ -124,8 +174,11 @@ def table(res: dict) -> str:
     head = ["mixer", "train T", "test"] + [f"T={T}" for T in lengths]
     rows = []
     for e in res["runs"].values():
-        for kind in ("single", "multi"):
-            name = kind if kind == "single" else f"multi ({res['settings']['needles']} needles)"
+        for kind in ("single", "multi", "decoy"):
+            if kind not in e:
+                continue
+            name = {"multi": f"multi ({res['settings']['needles']} needles)",
+                    "decoy": "decoy (a needle without the answer)"}.get(kind, kind)
             rows.append([e["label"], e["train_seq_len"], name]
                         + [common.fmt(None if e[kind][str(T)] is None else e[kind][str(T)]["row_accuracy"])
                            for T in lengths])
@@ -162,8 +215,10 @@ def main(argv=None) -> dict:
     if not workdirs:
         raise SystemExit("give --workdirs or --train")
     res = {"tag": args.tag, "settings": {"lengths": lengths, "needles": args.needles,
+                                         "haystack": args.haystack,
                                          "examples": args.examples, "trained_here": args.train},
-           "runs": {name: retrieval(w, lengths, args.needles, args.examples, args.batch)
+           "runs": {name: retrieval(w, lengths, args.needles, args.examples, args.batch,
+                                    haystack=args.haystack)
                     for name, w in workdirs.items()}}
     out = pathlib.Path(args.out)
     common.write_json(out / f"niah_{args.tag}.json", res)

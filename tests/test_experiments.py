@@ -10,8 +10,8 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from experiments import niah, position_loss  # noqa: E402
-from hla_jax.data import ByteTokenizer  # noqa: E402
+from experiments import long_context, niah, position_loss  # noqa: E402
+from hla_jax.data import ByteTokenizer, corpus  # noqa: E402
 
 
 def _outputs(out, stem):
@@ -62,6 +62,44 @@ def test_multi_niah_hides_the_needle_among_distractors(rng):
     answer = ByteTokenizer().decode(targets[mask])
     assert text.count(" number is ") == 4 + 1  # 4 needles + the question's answer
     assert f"The magic number is {answer}. " in text and text.endswith(f"The magic number is {answer}")
+
+
+def test_code_niah_plants_the_needle_in_source_and_the_decoy_pairs_it(rng):
+    haystack = corpus.stdlib_tokens()[-100_000:]
+    seed = int(rng.integers(1 << 30))
+    inputs, targets, mask = niah.CodeNIAH(400, haystack, n_digits=5, n_needles=3).example(
+        np.random.default_rng(seed))
+    assert inputs.shape == targets.shape == mask.shape == (400,) and mask.sum() == 5
+    tok = ByteTokenizer()
+    text, answer = tok.decode(np.append(inputs, targets[-1])), tok.decode(targets[mask])
+    assert answer.isdigit() and text.endswith(f"\nassert MAGIC_NUMBER == {answer}")
+    assert f"\nMAGIC_NUMBER = {answer}\n" in text and text.count("_NUMBER = ") == 3
+    decoy = niah.CodeNIAH(400, haystack, n_digits=5, n_needles=1, decoy=True)
+    single = niah.CodeNIAH(400, haystack, n_digits=5, n_needles=1)
+    (di, dt, dm), (si, st, sm) = (s.example(np.random.default_rng(seed)) for s in (decoy, single))
+    shifted = "".join(str((int(c) + 5) % 10) for c in tok.decode(st[sm]))
+    assert np.array_equal(dt[dm], st[sm]) and (di != si).sum() == 5  # only the needle's digits
+    assert f"\nMAGIC_NUMBER = {shifted}\n" in tok.decode(di)
+    with pytest.raises(ValueError, match="haystack of 100 bytes is too short"):
+        niah.CodeNIAH(400, haystack[:100])
+
+
+def test_long_context_trains_evaluates_and_resumes(tmp_path, capsys):
+    args = ["--size", "tiny", "--steps", "3", "--mixers", "linear,mamba2", "--eval_batch", "2",
+            "--eval_batches", "1", "--examples", "2", "--needles", "2", "--tag", "t",
+            "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "data.batch_size=2",
+            "--set", "data.seq_len=128", "--workroot", str(tmp_path / "runs"), "--out", str(tmp_path)]
+    long_context.main(args[:5] + ["linear"] + args[6:])
+    long_context.main(args)  # resumes: linear is kept, only mamba2 trains
+    res, md = _outputs(tmp_path, "long_context_t")
+    assert list(res["runs"]) == ["linear", "mamba2"] and res["settings"]["eval_seq_len"] == 256
+    for run in res["runs"].values():
+        assert run["step"] == 3 and len(run["per_position"]) == 256 and run["params"] > 0
+        assert [s for s, _ in run["curve"]] == [3] and set(run["niah"]) == {"single", "multi", "decoy"}
+        assert set(run["niah"]["decoy"]) == {"128", "256"} and np.isfinite(long_context.gain(run, 128))
+    assert "| linear (decay, conv) |" in md and "gain T=128" in md
+    with pytest.raises(SystemExit, match="other settings"):
+        long_context.main(args[:3] + ["4"] + args[4:])
 
 
 def test_bench_kernels_runs_a_tiny_shape(tmp_path, monkeypatch):

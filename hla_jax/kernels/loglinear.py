@@ -20,7 +20,7 @@ exact, its autodiff carries ``dlw`` into ``dg`` and ``dλ``).  Kernels (``kernel
 
 O(T·c·d + T·d·dv·log(T/c)) work, every state in HBM once per level (``N`` states of ``d×dv`` in
 all, in the input dtype).  Packed documents (``segment_ids``) run on a buffer of ``2T`` tokens in
-which each document starts on an aligned block of its own (``_packed``; not yet run on a GPU).
+which each document starts on an aligned block of its own (``_packed``; checked on the H200).
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
 path (Triton lowering) is checked on an H200 in bf16 and float32
 (``experiments/check_kernels_gpu.py``; float32 at ``d >= 128`` with tiles of 32,

@@ -220,7 +220,7 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     if lam is not None and impl == "pallas" and refused:
         raise ValueError(f"{name}: the log-linear Pallas kernels take no {refused[0]}; "
                          f"impl='chunked' does")
-    if (impl == "auto" and name in KERNELS and not (lam is not None and given)
+    if (impl == "auto" and name in KERNELS and not (lam is not None and refused)
             and common.pallas_preferred(seq_axis, chunk_size, q, k, v)
             and _kernel_takes(name, q, k, v, chunk_size)):
         impl = "pallas"
@@ -265,9 +265,8 @@ def loglinear_mamba2(q, k, v, g, lam, *, segment_ids=None, initial_state=None,
     form (``ops.loglinear_chunked``).  ``impl="pallas"``:
     ``hla_jax.kernels.loglinear_mamba2_pallas`` (the block form's kernels; none of the three
     arguments above but ``segment_ids``, which it runs on an aligned layout of up to ``2T``
-    tokens); "auto" takes it on a GPU for bf16 inputs without any of the three
-    (``common.pallas_preferred``), else "chunked" (with ``segment_ids`` too: that kernel path
-    has not run on a GPU yet).
+    tokens); "auto" takes it on a GPU for bf16 inputs without a state
+    (``common.pallas_preferred``), with ``segment_ids`` too, else "chunked".
     """
     return run("loglinear_mamba2", q, k, v, g, None, lam, impl=impl, chunk_size=chunk_size,
                log_levels=True, seq_axis=seq_axis, segment_ids=segment_ids,
