@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Results: MQAR, kernel benchmarks, loss by position, NIAH
+# # Results: MQAR, kernel benchmarks, long-context LMs, loss by position, NIAH
 #
 # Everything here is read from `experiments/results/` (written by the scripts in
 # `experiments/`); nothing is trained or timed in this notebook. A result file that does not
@@ -33,7 +33,7 @@ ROOT = next(p for p in (pathlib.Path.cwd(), *pathlib.Path.cwd().parents) if (p /
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "experiments" / "results"
 
-from experiments import common, mqar, niah, position_loss  # noqa: E402
+from experiments import common, long_context, mqar, niah, position_loss  # noqa: E402
 
 
 def load(pattern, command):
@@ -123,6 +123,18 @@ for res in load("bench_ops_cpu.json", "python experiments/bench_ops.py").values(
     ax.set(xlabel="median s")
     ax.invert_yaxis()
     plt.show()
+
+# %% [markdown]
+# ## Long-context language modelling
+#
+# One recipe for every mixer (`configs/lm.py size=30m`, trained at T=4096), evaluated at twice
+# the training length: loss by position, code NIAH at T and 2T, the retrieval gain (decoy needle
+# minus true needle), and the training curves.
+
+# %%
+for path, res in load("long_context_*.json", "python experiments/long_context.py").items():
+    display(Markdown(f"### {path.name}\n\n" + long_context.table(res)))
+    show(long_context.plot(res))
 
 # %% [markdown]
 # ## Loss by position and needle retrieval
