@@ -18,8 +18,8 @@ Kernels (``CASES``), compiled, not interpreted:
   final state (reference: the float64 recurrence, ``ops.gated_deltanet(impl="recurrent")``), or,
   with packed documents, ``ops.gated_deltanet(impl="pallas")`` (reference: the quadratic one);
 - ``loglinear_mamba2``, ``loglinear_gated_deltanet``: ``kernels.<name>_pallas`` (with packed
-  documents: ``ops.loglinear_mamba2(impl="pallas", segment_ids=...)`` against the reference with
-  each document's own levels);
+  documents: ``ops.<name>(impl="pallas", segment_ids=...)`` against the reference with each
+  document's own levels);
 - ``loglinear_mamba2_blocks``: ``ops.loglinear_mamba2(impl="chunked")``, the block form
   (``ops.loglinear_blocks``: XLA matmuls, no kernel of its own), GPU numerics checked the same way.
 
@@ -92,7 +92,7 @@ CASES = [
       for T, d, dv, gate in ((1000, 128, 128, "reset"), (700, 64, 192, "token"), (1000, 128, 128, "docs"))],
     *[Case(n, B, T, 2, 128, dv, "token", False, dt) for n in LOGLINEAR
       for B, T, dv, dt in ((2, 300, 64, "float32"), (1, 1000, 128, "float32"), (2, 1000, 128, "bfloat16"))],
-    *[Case("loglinear_mamba2", B, T, 2, 128, 128, "docs", False, dt)
+    *[Case(n, B, T, 2, 128, 128, "docs", False, dt) for n in LOGLINEAR
       for B, T, dt in ((2, 1000, "bfloat16"), (1, 700, "float32"))],
     *[Case("loglinear_mamba2_blocks", B, T, 2, 128, 128, gate, False, dt)
       for B, T, gate, dt in ((2, 1000, "reset", "bfloat16"), (1, 4100, "token", "bfloat16"),
@@ -189,8 +189,8 @@ def kernel_fn(case):
 def reference_fn(case):
     """The quadratic reference as ``f(*args) -> tuple of outputs``."""
     seg = segments(case)
-    if seg is not None and case.kernel == "loglinear_mamba2":  # levels from each document's start
-        return lambda *a: (reference.loglinear_mamba2(*a, segment_ids=seg),)
+    if seg is not None and case.kernel in LOGLINEAR:  # levels from each document's start
+        return lambda *a: (getattr(reference, case.kernel)(*a, segment_ids=seg),)
     if seg is not None:  # the documents' resets, SPEC §8
         plain = (reference_fn(case._replace(gate="token")) if case.kernel != "gated_deltanet"
                  else lambda *a: (reference.gated_deltanet(*a),))

@@ -192,8 +192,9 @@ def test_errors(rng):
                     ("initial_state", {"initial_state": loglinear.init_state(2, 2, 5, 3, 5)})]:
         with pytest.raises(ValueError, match=f"take no {arg}.*chunked"):
             loglinear.loglinear_mamba2(q, k, v, g, lam, impl="pallas", **kw)
-    with pytest.raises(ValueError, match="take no segment_ids.*chunked"):
-        loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="pallas", segment_ids=seg)
+    with pytest.raises(ValueError, match="take no initial_state.*chunked"):
+        loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="pallas", segment_ids=seg,
+                                           initial_state=loglinear.init_state(2, 2, 5, 3, 5))
     with pytest.raises(ValueError, match="segment_ids must be an integer array"):
         loglinear.gated_deltanet(q, k, v, g, beta, segment_ids=seg[:, :8])
     with pytest.raises(ValueError, match="LevelState"):

@@ -20,7 +20,7 @@ exact, its autodiff carries ``dlw`` into ``dg`` and ``dλ``).  Kernels (``kernel
 
 O(T·c·d + T·d·dv·log(T/c)) work, every state in HBM once per level (``N`` states of ``d×dv`` in
 all, in the input dtype).  Packed documents (``segment_ids``) run on a buffer of ``2T`` tokens in
-which each document starts on an aligned block of its own (``_packed``; checked on the H200).
+which each document starts on an aligned block of its own (``packed``; checked on the H200).
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
 path (Triton lowering) is checked on an H200 in bf16 and float32
 (``experiments/check_kernels_gpu.py``; float32 at ``d >= 128`` with tiles of 32,
@@ -107,10 +107,12 @@ def _core_bwd(cfg, res, do):
 loglinear_core.defvjp(_core_fwd, _core_bwd)
 
 
-def _packed(q, k, v, g, lam, segment_ids, **kw):
-    """Packed documents through the kernels on ``aligned_layout``'s buffer: every document
-    starts at a multiple of its length rounded up to a power of two (so the grid's levels are its
-    own) behind a reset, the rest of the buffer is zeros; the outputs are gathered back."""
+def packed(entry, q, k, v, g, extras, lam, segment_ids, **kw):
+    """Packed documents through a log-linear kernel ``entry(q, k, v, g, *extras, lam, **kw)`` on
+    ``aligned_layout``'s buffer: every document starts at a multiple of its length rounded up to
+    a power of two (so the grid's levels are its own) behind a reset (``g = -inf``, which also
+    clears every level state), the rest of the buffer is zeros; the outputs are gathered back.
+    ``extras``: per-token ``[B,T,H]`` inputs (Gated DeltaNet's ``beta``)."""
     dest, Tb = aligned_layout(segment_ids)
     g = jnp.where(doc_positions(segment_ids)[..., None] == 0, -jnp.inf, g)
 
@@ -119,7 +121,7 @@ def _packed(q, k, v, g, lam, segment_ids, **kw):
 
     L = fenwick.num_levels(Tb)
     lam = jnp.pad(lam, ((0, 0),) * 3 + ((0, max(0, L - lam.shape[-1])),))
-    o = loglinear_mamba2_pallas(*(spread(x) for x in (q, k, v, g, lam)), **kw)
+    o = entry(*(spread(x) for x in (q, k, v, g, *extras, lam)), **kw)
     return jnp.take_along_axis(o, dest[:, :, None, None], axis=1)
 
 
@@ -140,9 +142,9 @@ def loglinear_mamba2_pallas(q, k, v, g, lam, *, segment_ids=None, chunk_size=64,
     lam = check_lam(lam, B, T, H, name=name)
     segment_ids = check_segment_ids(segment_ids, B, T, name=name)
     if segment_ids is not None:
-        return _packed(q, k, v, jnp.broadcast_to(g, (B, T, H)), lam, segment_ids,
-                       chunk_size=chunk_size, interpret=interpret, block_v=block_v,
-                       block_v_bwd=block_v_bwd, num_warps=num_warps, platform=platform)
+        return packed(loglinear_mamba2_pallas, q, k, v, jnp.broadcast_to(g, (B, T, H)), (), lam,
+                      segment_ids, chunk_size=chunk_size, interpret=interpret, block_v=block_v,
+                      block_v_bwd=block_v_bwd, num_warps=num_warps, platform=platform)
     c, Tp, dp, dt, interpret, platform, block_v, block_v_bwd = launch(
         name, q, k, v, chunk_size=chunk_size, block_v=block_v, interpret=interpret,
         platform=platform, block_v_bwd=block_v_bwd)

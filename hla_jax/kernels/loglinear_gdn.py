@@ -36,10 +36,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hla_jax.kernels.loglinear import Config, levels_first
+from hla_jax.kernels.loglinear import Config, levels_first, packed
 from hla_jax.kernels.wrap import backend_module, chunk_gate, launch, pad, pow2_at_least
 from hla_jax.ops import fenwick
-from hla_jax.ops.common import check_gate, check_per_token, check_qkv
+from hla_jax.ops.common import check_gate, check_per_token, check_qkv, check_segment_ids
 from hla_jax.ops.loglinear import check_lam
 
 STACK_BYTES = 64 * 1024   # registers the level stack of one Triton program may take
@@ -113,9 +113,14 @@ def _core_bwd(cfg, res, do):
 loglinear_gdn_core.defvjp(_core_fwd, _core_bwd)
 
 
-def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, interpret=None,
-                                    block_v=64, block_v_bwd=64, num_warps=8, platform=None):
+def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, segment_ids=None, chunk_size=64,
+                                    interpret=None, block_v=64, block_v_bwd=64, num_warps=8,
+                                    platform=None):
     """Log-linear Gated DeltaNet via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
+
+    ``segment_ids [B,T]`` int: packed documents (SPEC §8), each computed as if alone, on the
+    aligned layout of log-linear Mamba-2's kernels (``kernels.loglinear.packed``: a buffer of
+    ``2T`` tokens, up to twice the work; the reset at each start clears every level state).
 
     ``block_v`` caps the value tile of the walks (a power of two >= 16;
     ``value_tile`` shrinks it so the S level states of one program fit
@@ -128,6 +133,12 @@ def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, int
     g = check_gate(g, B, T, H, name=name, required=True)
     beta = check_per_token(beta, B, T, H, "beta", name=name)
     lam = check_lam(lam, B, T, H, name=name)
+    segment_ids = check_segment_ids(segment_ids, B, T, name=name)
+    if segment_ids is not None:
+        return packed(loglinear_gated_deltanet_pallas, q, k, v, jnp.broadcast_to(g, (B, T, H)),
+                      (beta,), lam, segment_ids, chunk_size=chunk_size, interpret=interpret,
+                      block_v=block_v, block_v_bwd=block_v_bwd, num_warps=num_warps,
+                      platform=platform)
     c, Tp, dp, dt, interpret, platform, block_v, block_v_bwd = launch(
         name, q, k, v, chunk_size=chunk_size, block_v=block_v, interpret=interpret,
         platform=platform, block_v_bwd=block_v_bwd)

@@ -216,11 +216,12 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     given = [arg for arg, x in (("segment_ids", segment_ids), ("initial_state", initial_state),
                                 ("return_final_state", return_final_state or None))
              if x is not None]
-    refused = [a for a in given if not (a == "segment_ids" and name == "loglinear_mamba2")]
+    refused = [a for a in given if a != "segment_ids"]
     if lam is not None and impl == "pallas" and refused:
         raise ValueError(f"{name}: the log-linear Pallas kernels take no {refused[0]}; "
                          f"impl='chunked' does")
-    if (impl == "auto" and name in KERNELS and not (lam is not None and refused)
+    unchecked = name == "loglinear_gated_deltanet" and segment_ids is not None  # not run on a GPU
+    if (impl == "auto" and name in KERNELS and not (lam is not None and (refused or unchecked))
             and common.pallas_preferred(seq_axis, chunk_size, q, k, v)
             and _kernel_takes(name, q, k, v, chunk_size)):
         impl = "pallas"
@@ -228,8 +229,8 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
         extra = [x for x in (beta, lam) if x is not None]
         if lam is None:
             state = dict(initial_state=initial_state, return_final_state=return_final_state)
-        else:  # of the log-linear kernels only log-linear Mamba-2's takes packed documents
-            state = dict(segment_ids=segment_ids) if name == "loglinear_mamba2" else {}
+        else:  # the log-linear kernels take packed documents, no state
+            state = dict(segment_ids=segment_ids)
         g = common.reset_gate(g, segment_ids, B, T, H, q.dtype, seq_axis)
         return common.pallas_entry(name)(q, k, v, g, *extra, chunk_size=chunk_size, **state)
     g = common.gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)
@@ -293,9 +294,11 @@ def loglinear_gated_deltanet(q, k, v, g, beta, lam, *, segment_ids=None, initial
                              return_final_state=False, impl="auto", chunk_size=64,
                              seq_axis=None):
     """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_s``; ``lam: [B,T,H,L]``.
-    ``segment_ids``, ``initial_state`` (``LevelState``), ``return_final_state``, "auto" as for
+    ``segment_ids``, ``initial_state`` (``LevelState``), ``return_final_state`` as for
     ``loglinear_mamba2``; ``impl="pallas"``:
-    ``hla_jax.kernels.loglinear_gated_deltanet_pallas``."""
+    ``hla_jax.kernels.loglinear_gated_deltanet_pallas`` (``segment_ids`` on the same aligned
+    layout, no state); "auto" takes it on a GPU for bf16 inputs without ``segment_ids`` or a
+    state (the packed path has not run on a GPU yet), else "chunked"."""
     return run("loglinear_gated_deltanet", q, k, v, g, beta, lam, impl=impl,
                chunk_size=chunk_size, log_levels=True, seq_axis=seq_axis, segment_ids=segment_ids,
                initial_state=initial_state, return_final_state=return_final_state)
