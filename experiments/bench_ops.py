@@ -2,18 +2,23 @@
 
     python experiments/bench_ops.py                       # CPU defaults of the operator issues
     python experiments/bench_ops.py --only hla2,ahla --repeats 5
+    python experiments/bench_ops.py --impls chunked,reference,pallas --shape B=1024,H=1,T=256,d=64,dv=64 \
+        --tag mqar   # which form is fastest at MQAR's shape (4 stacked models of batch 256)
 
 For each operator: median wall time of ``jax.grad`` of a scalar loss with respect to every
 input (forward + backward), and the peak memory XLA's buffer assignment gives the compiled
 program (arguments + outputs + temporaries, ``compiled.memory_analysis()``). The chunked form
 must never hold a T×T array: at T=16384 one float32 T×T matrix per head is 1 GiB, at
 T=65536 it is 16 GiB. Results are written to ``experiments/results/bench_ops_<backend>.json``
-and printed as a Markdown table.
+and printed as a Markdown table. ``--impls`` times each operator in several forms (a form an
+operator cannot take at that shape is recorded with its error), ``--shape`` replaces every
+operator's shape, ``--tag`` names the file ``bench_ops_<backend>_<tag>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -33,18 +38,19 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 HLA = dict(B=1, H=4, T=16384, d=64, dv=64)
 LOGLIN = dict(B=1, H=2, T=65536, d=64, dv=64)
 OPERATORS = {
-    "linear_attention": (lambda q, k, v, g: ops.linear_attention(q, k, v, g, impl="chunked"), HLA),
-    "hla2": (lambda q, k, v, g: ops.hla2(q, k, v, g, impl="chunked"), HLA),
-    "hla2_normalized": (lambda q, k, v, g: ops.hla2(q, k, v, g, normalize=True, impl="chunked"), HLA),
-    "ahla": (lambda q, k, v, g: ops.ahla(q, k, v, g, impl="chunked"), HLA),
-    "hla3": (lambda q, k, v, g: ops.hla3(q, k, v, g, impl="chunked"), HLA),
-    "hla3_paper": (lambda q, k, v, g: ops.hla3(q, k, v, None, mask="paper", impl="chunked"), HLA),
-    "mamba2": (lambda q, k, v, g: ops.mamba2(q, k, v, g, impl="chunked"), LOGLIN),
+    "linear_attention": (lambda q, k, v, g, impl: ops.linear_attention(q, k, v, g, impl=impl), HLA),
+    "hla2": (lambda q, k, v, g, impl: ops.hla2(q, k, v, g, impl=impl), HLA),
+    "hla2_normalized": (lambda q, k, v, g, impl: ops.hla2(q, k, v, g, normalize=True, impl=impl), HLA),
+    "ahla": (lambda q, k, v, g, impl: ops.ahla(q, k, v, g, impl=impl), HLA),
+    "hla3": (lambda q, k, v, g, impl: ops.hla3(q, k, v, g, impl=impl), HLA),
+    "hla3_paper": (lambda q, k, v, g, impl: ops.hla3(q, k, v, None, mask="paper", impl=impl), HLA),
+    "mamba2": (lambda q, k, v, g, impl: ops.mamba2(q, k, v, g, impl=impl), LOGLIN),
     "loglinear_mamba2": (
-        lambda q, k, v, g, lam: ops.loglinear_mamba2(q, k, v, g, lam, impl="chunked"), LOGLIN),
-    "gated_deltanet": (lambda q, k, v, g, beta: ops.gated_deltanet(q, k, v, g, beta, impl="chunked"), LOGLIN),
+        lambda q, k, v, g, lam, impl: ops.loglinear_mamba2(q, k, v, g, lam, impl=impl), LOGLIN),
+    "gated_deltanet": (
+        lambda q, k, v, g, beta, impl: ops.gated_deltanet(q, k, v, g, beta, impl=impl), LOGLIN),
     "loglinear_gated_deltanet": (
-        lambda q, k, v, g, beta, lam: ops.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="chunked"),
+        lambda q, k, v, g, beta, lam, impl: ops.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl=impl),
         LOGLIN),
 }
 # log-linear operator -> its plain twin, for the cost ratio at the same shape
@@ -67,8 +73,8 @@ def make_inputs(name, shape, dtype, seed=0):
     return [jnp.asarray(a, dtype) for a in args]
 
 
-def bench(name, shape, dtype, repeats):
-    fn, _ = OPERATORS[name]
+def bench(name, shape, dtype, repeats, impl="chunked"):
+    fn = functools.partial(OPERATORS[name][0], impl=impl)
     args = make_inputs(name, shape, dtype)
     argnums = tuple(range(len(args)))
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2) * 1e-6, argnums=argnums))
@@ -85,30 +91,51 @@ def bench(name, shape, dtype, repeats):
         times.append(time.perf_counter() - t0)
         if not all(bool(jnp.all(jnp.isfinite(x))) for x in out):
             raise FloatingPointError(f"{name}: non-finite gradient")
-    return {"op": name, **shape, "dtype": jnp.dtype(dtype).name, "median_s": statistics.median(times),
+    return {"op": name, "impl": impl, **shape, "dtype": jnp.dtype(dtype).name,
+            "median_s": statistics.median(times),
             "times_s": times, "peak_bytes": peak}
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="comma-separated operator names (default: all)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--scale", type=float, default=1.0, help="multiply T by this (quick runs)")
-    a = p.parse_args()
+    p.add_argument("--impls", default="chunked", help="comma-separated forms (ops' impl=)")
+    p.add_argument("--shape", default="", help="e.g. B=1024,H=1,T=256,d=64,dv=64 for every op")
+    p.add_argument("--tag", default="", help="file bench_ops_<backend>_<tag>.json")
+    p.add_argument("--out", default=RESULTS)
+    a = p.parse_args(argv)
     names = [n for n in a.only.split(",") if n] or list(OPERATORS)
     unknown = set(names) - set(OPERATORS)
     if unknown:
         p.error(f"unknown operators {sorted(unknown)}; choose from {list(OPERATORS)}")
+    impls = [i for i in a.impls.split(",") if i]
+    bad = set(impls) - set(ops.common.IMPLS)
+    if bad:
+        p.error(f"--impls: unknown {sorted(bad)}; choose from {ops.common.IMPLS}")
+    try:
+        override = {k: int(v) for k, v in (kv.split("=") for kv in a.shape.split(",") if kv)}
+    except ValueError:
+        p.error(f"--shape must look like B=1024,H=1,T=256,d=64,dv=64, got {a.shape!r}")
+    if set(override) - {"B", "H", "T", "d", "dv"}:
+        p.error(f"--shape takes B, H, T, d, dv; got {sorted(override)}")
     rows = []
-    for name in tqdm(names, desc="fwd+bwd", unit="op"):
-        shape = dict(OPERATORS[name][1])
+    for name, impl in tqdm([(n, i) for n in names for i in impls], desc="fwd+bwd", unit="op"):
+        shape = {**OPERATORS[name][1], **override}
         shape["T"] = int(shape["T"] * a.scale)
-        rows.append(bench(name, shape, jnp.dtype(a.dtype), a.repeats))
-        tqdm.write(f"{name}: {rows[-1]['median_s']:.3f} s, peak {rows[-1]['peak_bytes'] / 2**20:.0f} MiB")
-    by = {r["op"]: r for r in rows}
-    for r in rows:
-        twin = by.get(PLAIN_TWIN.get(r["op"], ""))
+        try:
+            rows.append(bench(name, shape, jnp.dtype(a.dtype), a.repeats, impl))
+        except (ValueError, NotImplementedError, FloatingPointError) as e:
+            rows.append({"op": name, "impl": impl, **shape, "error": f"{type(e).__name__}: {e}"})
+            tqdm.write(f"{name} ({impl}): {rows[-1]['error']}")
+            continue
+        r = rows[-1]
+        tqdm.write(f"{name} ({impl}): {r['median_s']:.4f} s, peak {r['peak_bytes'] / 2**20:.0f} MiB")
+    by = {(r["op"], r["impl"]): r for r in rows if "error" not in r}
+    for r in by.values():
+        twin = by.get((PLAIN_TWIN.get(r["op"], ""), r["impl"]))
         if twin is not None:
             r["time_ratio_to_plain"] = r["median_s"] / twin["median_s"]
             r["memory_ratio_to_plain"] = r["peak_bytes"] / twin["peak_bytes"]
@@ -116,18 +143,22 @@ def main():
     record = {"device": jax.devices()[0].device_kind, "backend": backend, "host": platform.processor()
               or platform.machine(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"bench_ops_{backend}.json")
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"bench_ops_{backend}{'_' + a.tag if a.tag else ''}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     print(f"\n{record['device']} ({backend}), {a.dtype}, forward+backward, median of {a.repeats}")
-    print("| op | B | H | T | d | dv | median s | peak MiB | × plain (time / memory) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| op | impl | B | H | T | d | dv | median s | peak MiB | × plain (time / memory) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['op']} | {r['impl']} | {r['B']} | {r['H']} | {r['T']} | {r['d']} | {r['dv']} | "
+                  f"{r['error'][:60]} | | |")
+            continue
         ratio = (f"{r['time_ratio_to_plain']:.2f} / {r['memory_ratio_to_plain']:.2f}"
                  if "time_ratio_to_plain" in r else "")
-        print(f"| {r['op']} | {r['B']} | {r['H']} | {r['T']} | {r['d']} | {r['dv']} | "
-              f"{r['median_s']:.3f} | {r['peak_bytes'] / 2**20:.0f} | {ratio} |")
+        print(f"| {r['op']} | {r['impl']} | {r['B']} | {r['H']} | {r['T']} | {r['d']} | {r['dv']} | "
+              f"{r['median_s']:.4f} | {r['peak_bytes'] / 2**20:.0f} | {ratio} |")
     print(f"\nwritten {path}")
 
 

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from experiments import long_context, niah, position_loss  # noqa: E402
+from experiments import bench_ops, long_context, niah, position_loss  # noqa: E402
 from hla_jax.data import ByteTokenizer, corpus  # noqa: E402
 
 
@@ -100,6 +100,20 @@ def test_long_context_trains_evaluates_and_resumes(tmp_path, capsys):
     assert "| linear (decay, conv) |" in md and "gain T=128" in md
     with pytest.raises(SystemExit, match="other settings"):
         long_context.main(args[:3] + ["4"] + args[4:])
+
+
+def test_bench_ops_times_several_forms_at_one_shape(tmp_path):
+    bench_ops.main(["--only", "hla2,loglinear_mamba2,mamba2", "--impls", "chunked,reference",
+                    "--shape", "B=1,H=1,T=32,d=8,dv=8", "--repeats", "1", "--tag", "t",
+                    "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_ops_cpu_t.json").read_text())["rows"]
+    names = ("hla2", "loglinear_mamba2", "mamba2")
+    assert [(r["op"], r["impl"], r["T"], r["d"]) for r in rows] == [
+        (op, impl, 32, 8) for op in names for impl in ("chunked", "reference")]
+    assert all(r["median_s"] > 0 for r in rows)
+    assert {r["op"] for r in rows if "time_ratio_to_plain" in r} == {"loglinear_mamba2"}
+    with pytest.raises(SystemExit):
+        bench_ops.main(["--shape", "B=1,X=3", "--out", str(tmp_path)])
 
 
 def test_bench_kernels_runs_a_tiny_shape(tmp_path, monkeypatch):
