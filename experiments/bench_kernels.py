@@ -20,8 +20,8 @@ Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
 - ``mamba2_xla_chunked``, ``gated_deltanet_xla_chunked``, ``<op>_xla_chunked``: ``impl="chunked"``;
 - only when named in ``--methods``: log-linear Mamba-2's block form (``loglinear_mamba2_blocks``:
   ``impl="chunked"``, ``ops.loglinear_blocks``) and its Pallas kernels (``loglinear_mamba2_pallas``),
-  log-linear Gated DeltaNet's kernel and chunked form (``loglinear_gdn_pallas``,
-  ``loglinear_gdn_xla_chunked``) and the wheel's plain-JAX
+  log-linear Gated DeltaNet's kernel and block form (``loglinear_gdn_pallas``,
+  ``loglinear_gdn_blocks``: ``impl="chunked"``, ``ops.loglinear_gdn_blocks``) and the wheel's plain-JAX
   ``jla_log_linear_simple_gla``, which runs out of memory at B·T = 65536, so it and a twin row of
   our kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384 (``SMALL_TOKENS``).
 
@@ -91,6 +91,8 @@ TARGETS = [
     Target("gated_deltanet_pallas", "jla_gated_deltanet", "<=", 1.5),
     Target("loglinear_mamba2_pallas", "mamba2_pallas", "<=", 3.0),
     Target("cudnn_causal", "loglinear_mamba2_pallas", ">=", 1.5, 8192),
+    Target("loglinear_gdn_pallas", "gated_deltanet_pallas", "<=", 4.0),
+    Target("loglinear_gdn_blocks", "gated_deltanet_pallas", "<=", 4.0),
 ]
 DEFAULT_METHODS = ("mamba2_pallas", "jla_simple_gla", "hla2_pallas", "ahla_pallas", "hla3_pallas",
                    "cudnn_causal", "gated_deltanet_pallas", "jla_gated_deltanet",
@@ -193,7 +195,7 @@ def methods(loglinear_kw=None):
             q, k, v, g, lam, impl="chunked")),
         "loglinear_gdn_pallas": _ready(lambda q, k, v, g, beta, lam:
                                        kernels.loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam)),
-        "loglinear_gdn_xla_chunked": _ready(lambda q, k, v, g, beta, lam: ops.loglinear_gated_deltanet(
+        "loglinear_gdn_blocks": _ready(lambda q, k, v, g, beta, lam: ops.loglinear_gated_deltanet(
             q, k, v, g, beta, lam, impl="chunked")),
         "jla_log_linear_simple_gla": _jla("log_linear_simple_gla", "chunked", _jla_level_scales),
     }

@@ -20,8 +20,9 @@ Kernels (``CASES``), compiled, not interpreted:
 - ``loglinear_mamba2``, ``loglinear_gated_deltanet``: ``kernels.<name>_pallas`` (with packed
   documents: ``ops.<name>(impl="pallas", segment_ids=...)`` against the reference with each
   document's own levels);
-- ``loglinear_mamba2_blocks``: ``ops.loglinear_mamba2(impl="chunked")``, the block form
-  (``ops.loglinear_blocks``: XLA matmuls, no kernel of its own), GPU numerics checked the same way.
+- ``loglinear_mamba2_blocks``, ``loglinear_gated_deltanet_blocks``: ``ops.<name>(impl="chunked")``,
+  the block forms (``ops.loglinear_blocks``, ``ops.loglinear_gdn_blocks``: XLA matmuls, no kernel
+  of their own), GPU numerics checked the same way.
 
 Gates ``g``: per token (``token``), per head (``head``), none, or per token with −∞ entries
 (``reset``: in batch element 0 only, at chunk boundaries and at random, so the other element
@@ -59,8 +60,10 @@ from hla_jax.ops import common, fenwick, reference
 
 HLA = ("hla2", "ahla", "hla3")
 LOGLINEAR = ("loglinear_mamba2", "loglinear_gated_deltanet")
-WITH_LAM = LOGLINEAR + ("loglinear_mamba2_blocks",)
-DELTA = ("gated_deltanet", "loglinear_gated_deltanet")  # keys L2-normalised, a β
+BLOCKS = ("loglinear_mamba2_blocks", "loglinear_gated_deltanet_blocks")  # impl="chunked", XLA
+WITH_LAM = LOGLINEAR + BLOCKS
+# keys L2-normalised, a β
+DELTA = ("gated_deltanet", "loglinear_gated_deltanet", "loglinear_gated_deltanet_blocks")
 RESETS = (64, 127, 500)  # positions of −∞ log-decays in a "reset" gate (chunk starts and ends)
 DOCS = (300, 1, 137, 64, 211)  # document lengths of a "docs" row, in turn
 
@@ -94,7 +97,7 @@ CASES = [
       for B, T, dv, dt in ((2, 300, 64, "float32"), (1, 1000, 128, "float32"), (2, 1000, 128, "bfloat16"))],
     *[Case(n, B, T, 2, 128, 128, "docs", False, dt) for n in LOGLINEAR
       for B, T, dt in ((2, 1000, "bfloat16"), (1, 700, "float32"))],
-    *[Case("loglinear_mamba2_blocks", B, T, 2, 128, 128, gate, False, dt)
+    *[Case(n, B, T, 2, 128, 128, gate, False, dt) for n in BLOCKS
       for B, T, gate, dt in ((2, 1000, "reset", "bfloat16"), (1, 4100, "token", "bfloat16"),
                              (2, 1000, "reset", "float32"))],
 ]
@@ -181,8 +184,9 @@ def kernel_fn(case):
             q, k, v, g, beta, initial_state=h0, return_final_state=True)
     if case.kernel in HLA:
         return lambda *a: (getattr(ops, case.kernel)(*a, normalize=case.normalize, eps=1e-6, impl="pallas"),)
-    if case.kernel == "loglinear_mamba2_blocks":
-        return lambda *a: (ops.loglinear_mamba2(*a, impl="chunked"),)
+    if case.kernel in BLOCKS:
+        op = getattr(ops, case.kernel.removesuffix("_blocks"))
+        return lambda *a: (op(*a, impl="chunked"),)
     return lambda *a: (getattr(kernels, f"{case.kernel}_pallas")(*a),)
 
 

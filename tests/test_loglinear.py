@@ -220,15 +220,40 @@ def test_block_form_bf16_runs_16_bit_products_both_ways(rng):
     assert "stablehlo.while" not in hlo
 
 
-def test_block_form_is_taken_only_on_the_grid(x64, rng):
+def test_gated_deltanet_block_form_bf16_has_no_loop(rng):
+    """``impl="chunked"`` of log-linear Gated DeltaNet (the block form,
+    ``ops.loglinear_gdn_blocks``) on bf16 inputs: outputs and every gradient within the bf16
+    tolerance of the float32 oracle, and no loop over chunks or levels in the program."""
+    q, k, v, g, beta, lam = _inputs(rng, 300, np.float32, d=16, dv=16)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    fn = functools.partial(loglinear.loglinear_gated_deltanet, impl="chunked", chunk_size=16)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    assert_close(fn(q, k, v, g, beta, lam), ref.loglinear_gated_deltanet(*f32, g, beta, lam), 2e-2)
+    w = jnp.asarray(rng.normal(size=v.shape), jnp.float32)
+    got = grads_of(fn, (q, k, v, g, beta, lam), range(6), w)
+    want = grads_of(ref.loglinear_gated_deltanet, (*f32, g, beta, lam), range(6), w)
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "lam"], got, want):
+        assert_close(a.astype(jnp.float32), b, 2e-2, "d" + name)
+    hlo = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=range(6))).lower(
+        q, k, v, g, beta, lam).as_text()
+    assert "stablehlo.while" not in hlo
+
+
+@pytest.mark.parametrize("name", [LL_M2, LL_GDN])
+def test_block_form_is_taken_only_on_the_grid(x64, rng, name):
     """Packed documents and states keep the counter form (levels off the grid); both equal the
     oracle, and the block form is the grid case."""
-    from hla_jax.ops.loglinear_blocks import blocks
+    from hla_jax.ops import loglinear_blocks, loglinear_gdn_blocks
 
-    q, k, v, g, _, lam = _inputs(rng, 70)
-    out = loglinear.loglinear_mamba2(q, k, v, g, lam, impl="chunked", chunk_size=16)
-    np.testing.assert_array_equal(out, blocks(q, k, v, g, lam, 16))
+    xs = _inputs(rng, 70)
+    args = _args(name, xs)
+    out = OPS[name][0](*args, impl="chunked", chunk_size=16)
+    blocks = (loglinear_blocks.blocks(*args, 16) if name == LL_M2
+              else loglinear_gdn_blocks.blocks(*args, 16))
+    assert_close(out, blocks, 1e-13, "the block form")  # the same program up to jit's fusion
     seg = jnp.asarray(np.repeat([[0, 1, 2]], [20, 31, 19], axis=1).repeat(2, 0))
-    packed = loglinear.loglinear_mamba2(q, k, v, g, lam, impl="chunked", chunk_size=16,
-                                        segment_ids=seg)
-    assert_close(packed, ref.loglinear_mamba2(q, k, v, g, lam, segment_ids=seg), 1e-10)
+    packed = OPS[name][0](*args, impl="chunked", chunk_size=16, segment_ids=seg)
+    assert_close(packed, OPS[name][1](*args, segment_ids=seg), 1e-10)
+    state = loglinear.init_state(2, 2, 5, 3, fenwick.num_levels(70), jnp.float64)
+    resumed = OPS[name][0](*args, impl="chunked", chunk_size=16, initial_state=state)
+    assert_close(resumed, OPS[name][1](*args), 1e-10, "from an empty state: the counter form")

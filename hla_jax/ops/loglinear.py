@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hla_jax.ops import common, fenwick, reference, sequence
+from hla_jax.ops import common, fenwick, loglinear_gdn_blocks, reference, sequence
 from hla_jax.ops.loglinear_blocks import blocks
 from hla_jax.ops.loglinear_chunked import chunked
 from hla_jax.ops.ssm import (
@@ -122,7 +122,8 @@ def scan(q, k, v, g, beta=None, lam=None, segment_ids=None):
 
 _JITTED = {"recurrent": jax.jit(recurrent), "scan": jax.jit(scan),
            "chunked": jax.jit(chunked, static_argnames=("chunk_size", "seq_axis")),
-           "blocks": jax.jit(blocks, static_argnames="chunk_size")}
+           "blocks": jax.jit(blocks, static_argnames="chunk_size"),
+           "gdn_blocks": jax.jit(loglinear_gdn_blocks.blocks, static_argnames="chunk_size")}
 
 
 def check_lam(lam, B, T, H, *, name, T_all=None):
@@ -236,9 +237,12 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     g = common.gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)
     if impl == "reference":
         return _reference(q, k, v, g, beta, lam, segment_ids)
-    if impl == "chunked" and name == "loglinear_mamba2" and not given and seq_axis is None:
+    blocked = impl == "chunked" and lam is not None and not given and seq_axis is None
+    if blocked and name == "loglinear_mamba2":
         return _JITTED["blocks"](q, k, v, g, lam, chunk_size=chunk_size)
     with common.matmul_precision(q, k, v):
+        if blocked:
+            return _JITTED["gdn_blocks"](q, k, v, g, beta, lam, chunk_size=chunk_size)
         if impl == "scan":
             return _JITTED["scan"](q, k, v, g, beta, lam, segment_ids)
         if impl == "recurrent":
@@ -298,7 +302,10 @@ def loglinear_gated_deltanet(q, k, v, g, beta, lam, *, segment_ids=None, initial
     ``loglinear_mamba2``; ``impl="pallas"``:
     ``hla_jax.kernels.loglinear_gated_deltanet_pallas`` (``segment_ids`` on the same aligned
     layout, no state); "auto" takes it on a GPU for bf16 inputs without ``segment_ids`` or a
-    state (the packed path has not run on a GPU yet), else "chunked"."""
+    state (the packed path has not run on a GPU yet), else "chunked".  ``impl="chunked"``
+    without those three (and without ``seq_axis``): the block form
+    (``ops.loglinear_gdn_blocks``: an up-sweep of chunk transitions and a running query per
+    token, no scan); with them: the counter form (``ops.loglinear_chunked``)."""
     return run("loglinear_gated_deltanet", q, k, v, g, beta, lam, impl=impl,
                chunk_size=chunk_size, log_levels=True, seq_axis=seq_axis, segment_ids=segment_ids,
                initial_state=initial_state, return_final_state=return_final_state)

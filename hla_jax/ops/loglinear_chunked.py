@@ -18,7 +18,7 @@ from hla_jax.ops import common, fenwick, sequence
 from hla_jax.ops.ssm import LevelState, cast, combine, mul, reset
 
 
-def _chunk_terms(Q, K, V, G, Beta):
+def chunk_terms(Q, K, V, G, Beta):
 
     """Per-chunk pieces, all parallel over chunks (``[B,H,N,c,...]`` inputs).
 
@@ -77,7 +77,7 @@ def _previous(x, n=1, fill=0):
 
 
 class _Plan(NamedTuple):
-    """Where chunk n's queries find each key: the exact window (``_window``: the chunk's own
+    """Where chunk n's queries find each key: the exact window (``window``: the chunk's own
     keys at levels ``own``, with ``prev`` the previous chunk's too) and the counter
     (``_level_scan``: slots read at levels ``counter``, fed ``parts`` at ``slots``, index ``nxt``,
     ``late``)."""
@@ -179,7 +179,7 @@ def _incoming_levels(A_c, Kw, V, pos, t0, T, levels, seq_axis):
                         lambda i, s: int(fenwick.level((i + 1) * T, i * T)), seq_axis)
 
 
-def _window(Lam, M, V, lev, prev=None):
+def window(Lam, M, V, lev, prev=None):
     """The exact part: ``(Λ ∘ M) V`` over the chunk's own keys, ``Λ[τ,σ] = λ_τ^{lev[τ,σ]}``,
     plus ``(Λ' ∘ (Q̂ K_w'ᵀ)) V'`` over the previous chunk's with ``prev = (Q̂, K_w', V', lev')``."""
     out = common.ein("...ts,...sv->...tv", _at_levels(Lam, lev) * M, V)
@@ -319,7 +319,7 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None, initi
         return common.to_chunks(jnp.roll(x, shift, axis=1) if shifted else x, c)
 
     Q, K, V, G, Beta, Lam = (None if x is None else chunks(x) for x in (q, k, v, g, beta, lam))
-    M, Qh, A_c, Kw = _chunk_terms(Q, K, V, G, Beta)
+    M, Qh, A_c, Kw = chunk_terms(Q, K, V, G, Beta)
     own = common.ein("...cd,...cv->...dv", Kw, V)
     if Lam is None:
         prefix, final = _prefix_plain(Qh, A_c, own, seq_axis, initial_state)
@@ -352,7 +352,7 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None, initi
         H_in.shape[0], pos, start[:, None, None, None] if documents else start)
     prefix, st = _level_scan(Qh, A_c, (_at_levels(Lam, plan.counter), plan),
                              None if H_in is None else (H_in, _at_levels(Lam, lev_in)), seq_axis)
-    out = _window(Lam, M, V, plan.own, plan.prev) + prefix
+    out = window(Lam, M, V, plan.own, plan.prev) + prefix
     final = None
     if seq_axis is None or documents:
         t_next = (pos.reshape(B, N * c)[:, T - 1] + 1 if documents

@@ -1,0 +1,81 @@
+"""The block form of log-linear Gated DeltaNet (SPEC §4) on the grid of positions: every level at
+once, no scan over chunks.
+
+As in log-linear Mamba-2's (``ops.loglinear_blocks``), chunk ``n' < n`` is at level ``lc + 1 + j``
+(``c = 2^lc``), ``j = bit_length(n XOR n') − 1``: the left half of the aligned block of
+``2^(j+1)`` chunks writes, the right half reads.  Here the transitions between them are matrices:
+chunk ``n`` maps an entering state ``S`` to ``A_n S + Z_n`` and its tokens read ``S`` as ``Q̂_n S``
+(``loglinear_chunked.chunk_terms``: ``A_n = γ_c I − K̃ᵀ W``, ``Z_n = K_wᵀ V``, ``Q̂ = γ∘Q − P W``).
+An up-sweep combines aligned blocks, left ``L`` before right ``R``,
+
+    (Π, Z) = (Π_R Π_L,  Π_R Z_L + Z_R),
+
+so at level ``j`` a left half's ``Z`` is its state ``H_j`` and ``Π`` its transition.  A token of
+chunk ``n`` reads ``H_j`` through the chunks between that left half and ``n``: the left halves
+``L_i``, ``i < j``, of the smaller blocks whose right half holds ``n``, in order.  So each token
+carries a running query ``r`` (first ``Q̂``) up the levels: at level ``i``, where ``n`` lies in a
+right half,
+
+    o ⊇ λ^{lc+1+i} ∘ (r Z_{L_i}),      then  r ← r Π_{L_i}.
+
+Each level is three batched matmuls (one combine, two over the right halves' tokens): O(T·c·d +
+T·d·(d+dv)·log(T/c) + (T/c)·d²·(d+dv)) work, depth O(log T), no scan; autodiff gives the
+backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V`` (``loglinear_chunked.window``).
+Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
+transitions).  Matmul precision: the caller's (``common.matmul_precision``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from hla_jax.ops import common, fenwick
+from hla_jax.ops.loglinear_blocks import halves, heads_first
+from hla_jax.ops.loglinear_chunked import chunk_terms, window
+
+
+def _pairs(Pi, Z):
+    """Adjacent nodes ``(2m, 2m+1)`` of ``Pi [B,H,n,d,d]``, ``Z [B,H,n,d,dv]`` (an odd ``n`` gets an
+    identity node at the end): the left ones ``(Π_L, Z_L)`` and the combined ``(Π, Z)``."""
+    if Pi.shape[2] % 2:
+        eye = jnp.broadcast_to(jnp.eye(Pi.shape[-1], dtype=Pi.dtype), Pi.shape[:2] + (1,) + Pi.shape[3:])
+        Pi = jnp.concatenate([Pi, eye], 2)
+        Z = jnp.concatenate([Z, jnp.zeros_like(Z[:, :, :1])], 2)
+    PiL, PiR, ZL, ZR = Pi[:, :, 0::2], Pi[:, :, 1::2], Z[:, :, 0::2], Z[:, :, 1::2]
+    return (PiL, ZL), (common.mm(PiR, PiL), common.mm(PiR, ZL) + ZR)
+
+
+def _levels(Qh, Pi, Z, Lam, lc: int, N: int):
+    """The chunk levels (module docstring): ``Qh [B,H,Tp,d]`` per token, ``Pi [B,H,N,d,d]`` and
+    ``Z [B,H,N,d,dv]`` per chunk, ``Lam [B,H,Tp,L]`` -> ``[B,H,Tp,dv]``."""
+    B, H, Tp, d = Qh.shape
+    r, out = Qh, 0.0
+    for i in range(fenwick.num_levels(N) - 1):
+        (PiL, ZL), (Pi, Z) = _pairs(Pi, Z)
+        span = (Tp // N) << i
+        rh = halves(r, span)                                       # [B,H,nb,2,span,d]
+        lam = halves(Lam[..., lc + 1 + i], span)[:, :, :, 1, :, None]
+        o = lam * common.ein("bhntd,bhnde->bhnte", rh[:, :, :, 1], ZL)
+        r = jnp.stack([rh[:, :, :, 0], common.ein("bhntd,bhnde->bhnte", rh[:, :, :, 1], PiL)], 3)
+        r = r.reshape(B, H, -1, d)[:, :, :Tp]
+        out = out + jnp.stack([jnp.zeros_like(o), o], 3).reshape(B, H, -1, o.shape[-1])[:, :, :Tp]
+    return out
+
+
+def blocks(q, k, v, g, beta, lam, chunk_size: int = 64):
+    """Log-linear Gated DeltaNet ``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_sᵀ``
+    in the block form (module docstring): ``q, k [B,T,H,d]`` (keys L2-normalised by the caller),
+    ``v [B,T,H,dv]``, ``g, beta [B,T,H]``, ``lam [B,T,H,L ≥ fenwick.num_levels(T)]``,
+    ``chunk_size`` a power of two -> ``[B,T,H,dv]`` in the state dtype (float32; float64 for
+    float64 inputs)."""
+    B, T, H, d = q.shape
+    c, lc = chunk_size, fenwick.chunk_log2(chunk_size)
+    N = -(-T // c)
+    dt = common.state_dtype(q, k, v, g, beta, lam)
+    Q, K, V, G, Beta, Lam = (heads_first(x, N * c, dt) for x in (q, k, v, g, beta, lam))
+    chunk = lambda x: x.reshape(x.shape[:2] + (N, c) + x.shape[3:])      # noqa: E731
+    M, Qh, A_c, Kw = chunk_terms(*(chunk(x) for x in (Q, K, V, G, Beta)))
+    Z = common.ein("...cd,...cv->...dv", Kw, chunk(V))
+    out = window(chunk(Lam), M, chunk(V), fenwick.level_table(c)).reshape(B, H, N * c, -1)
+    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, lc, N)
+    return jnp.moveaxis(out, 1, 2)[:, :T]
