@@ -18,9 +18,9 @@ right half,
 
     o ⊇ λ^{lc+1+i} ∘ (r Z_{L_i}),      then  r ← r Π_{L_i}.
 
-Each level is three batched matmuls (one combine, two over the right halves' tokens): O(T·c·d +
-T·d·(d+dv)·log(T/c) + (T/c)·d²·(d+dv)) work, depth O(log T), no scan; autodiff gives the
-backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V`` (``loglinear_chunked.window``).
+Each level is four batched matmuls, two combining adjacent blocks and two over the right
+halves' tokens: O(T·c·d + T·d·(d+dv)·log(T/c) + (T/c)·d²·(d+dv)) work, depth O(log T), no
+scan; autodiff gives the backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V`` (``loglinear_chunked.window``).
 Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
 transitions).  Matmul precision: the caller's (``common.matmul_precision``).
 """
