@@ -98,8 +98,11 @@ def curve(workdir) -> list:
 
 def evaluate(args, workdir, T: int) -> dict:
     loaded = common.load_model(workdir)
-    pl = position_loss.position_loss(workdir, 2 * T, args.eval_batch, args.eval_batches, loaded)
-    nh = niah.retrieval(workdir, [T, 2 * T], args.needles, args.examples, 16, loaded, "code")
+    nll_fn = common.token_nll_fn(loaded[1])  # one program per shape: NIAH at 2T reuses this one's
+    pl = position_loss.position_loss(workdir, 2 * T, args.eval_batch, args.eval_batches, loaded,
+                                     nll_fn)
+    nh = niah.retrieval(workdir, [T, 2 * T], args.needles, args.examples, args.eval_batch, loaded,
+                        "code", nll_fn)
     return {**pl, "params": param_count(loaded[1]), "curve": curve(workdir),
             "niah": {k: nh[k] for k in ("single", "multi", "decoy")}}
 

@@ -28,13 +28,13 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from experiments import common  # noqa: E402
 from hla_jax import data as data_lib  # noqa: E402
 from hla_jax.data.synthetic import NIAH  # noqa: E402
-from hla_jax.train.steps import eval_summary, make_eval_step  # noqa: E402
+from hla_jax.train.steps import eval_summary  # noqa: E402
 
 DISTRACTOR_KEYS = ("lucky", "secret", "special", "hidden", "winning", "chosen", "best", "first")
 
@@ -135,15 +135,25 @@ def train_configs(args) -> dict:
     return configs
 
 
+def scores(nll_fn, x) -> dict:
+    """Sums of one batch ``x`` (``[b,T]`` arrays) for ``eval_summary``: masked nll, tokens,
+    correct tokens, and rows whose masked targets are all correct (a whole number)."""
+    nll, correct = jax.device_get(nll_fn({k: jnp.asarray(v) for k, v in x.items()}))
+    m = x["mask"] > 0
+    has = m.any(-1)
+    return {"nll": (nll * m).sum(), "tokens": m.sum(), "correct": (correct * m).sum(),
+            "rows_correct": (np.all((correct > 0) | ~m, -1) & has).sum(), "rows": has.sum()}
+
+
 def retrieval(workdir, lengths, needles: int, examples: int, batch: int, loaded=None,
-              haystack: str = "text") -> dict:
+              haystack: str = "text", nll_fn=None) -> dict:
     """``{kind: {T: {"loss", "accuracy", "row_accuracy"} | None}}`` for one checkpoint, kinds
     "single", "multi" and, in code, "decoy" (``loaded``: its ``common.load_model`` if already at
-    hand; ``haystack``: see ``--haystack``)."""
+    hand, ``nll_fn`` its ``common.token_nll_fn``, shared with other evaluations of the same
+    shapes; ``haystack``: see ``--haystack``)."""
     c, model, step = loaded or common.load_model(workdir)
     code = data_lib.make_sources(c.data, c.model.vocab_size)[1].tokens if haystack == "code" else None
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    eval_step = jax.jit(make_eval_step(graphdef))
+    nll_fn = nll_fn or common.token_nll_fn(model)
     softmax = "softmax" in c.model.mixer_pattern
     out = {"label": common.label(c), "workdir": str(workdir), "step": int(step),
            "train_seq_len": c.data.seq_len, "haystack": haystack}
@@ -160,12 +170,11 @@ def retrieval(workdir, lengths, needles: int, examples: int, batch: int, loaded=
                 source = CodeNIAH(T, code, n_digits, n, decoy=kind == "decoy")
             else:
                 source = NIAH(T, n_digits) if n == 1 else MultiNIAH(T, n_digits, n)
-            sums = None
-            for b in range(-(-examples // batch)):  # examples rounded up to whole batches
-                x = data_lib.make_batch(source, c.data.seed, data_lib.EVAL, b, np.arange(batch)[None])
-                s = jax.device_get(eval_step(params, rest, x))
-                sums = s if sums is None else jax.tree.map(np.add, sums, s)
-            out[kind][str(T)] = {k: float(v) for k, v in eval_summary(sums).items()}
+            sums = [scores(nll_fn, data_lib.make_batch(source, c.data.seed, data_lib.EVAL, b,
+                                                        np.arange(batch)))
+                    for b in range(-(-examples // batch))]  # examples rounded up to whole batches
+            total = {k: sum(s[k] for s in sums) for k in sums[0]}
+            out[kind][str(T)] = {k: float(v) for k, v in eval_summary(total).items()}
     return out
 
 

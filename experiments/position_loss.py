@@ -56,14 +56,15 @@ def train_configs(args) -> dict:
     return configs
 
 
-def position_loss(workdir, seq_len: int, batch: int, batches: int, loaded=None) -> dict:
+def position_loss(workdir, seq_len: int, batch: int, batches: int, loaded=None, nll_fn=None) -> dict:
     """Mean masked nll per 0-based position ``t`` over the eval batches of ``workdir``'s data
-    (``loaded``: its ``common.load_model`` if already at hand)."""
+    (``loaded``: its ``common.load_model`` if already at hand, ``nll_fn`` its
+    ``common.token_nll_fn``)."""
     c, model, step = loaded or common.load_model(workdir)
     data = c.data.copy_and_resolve_references()
     data.seq_len = T = seq_len or data.seq_len
     _, source = data_lib.make_sources(data, c.model.vocab_size)
-    nll_fn = common.token_nll_fn(model)
+    nll_fn = nll_fn or common.token_nll_fn(model)
     total = np.zeros(T)
     count = np.zeros(T)
     for b in range(batches):
