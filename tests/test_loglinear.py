@@ -223,7 +223,8 @@ def test_block_form_bf16_runs_16_bit_products_both_ways(rng):
 def test_gated_deltanet_block_form_bf16_has_no_loop(rng):
     """``impl="chunked"`` of log-linear Gated DeltaNet (the block form,
     ``ops.loglinear_gdn_blocks``) on bf16 inputs: outputs and every gradient within the bf16
-    tolerance of the float32 oracle, and no loop over chunks or levels in the program."""
+    tolerance of the float32 oracle, the sweeps and reads on 16-bit operands (the chunk terms
+    in float32), and no loop over chunks or levels in the program."""
     q, k, v, g, beta, lam = _inputs(rng, 300, np.float32, d=16, dv=16)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     fn = functools.partial(loglinear.loglinear_gated_deltanet, impl="chunked", chunk_size=16)
@@ -237,6 +238,8 @@ def test_gated_deltanet_block_form_bf16_has_no_loop(rng):
     hlo = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=range(6))).lower(
         q, k, v, g, beta, lam).as_text()
     assert "stablehlo.while" not in hlo
+    operands = re.findall(r"stablehlo.dot_general.*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", hlo)
+    assert ("bf16", "bf16") in operands and ("f32", "f32") in operands
 
 
 @pytest.mark.parametrize("name", [LL_M2, LL_GDN])

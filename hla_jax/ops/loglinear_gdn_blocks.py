@@ -20,21 +20,31 @@ right half,
 
 Each level is four batched matmuls, two combining adjacent blocks and two over the right
 halves' tokens: O(T·c·d + T·d·(d+dv)·log(T/c) + (T/c)·d²·(d+dv)) work, depth O(log T), no
-scan; autodiff gives the backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V`` (``loglinear_chunked.window``).
+scan; autodiff gives the backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V``
+(``loglinear_chunked.window``).
 Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
-transitions).  Matmul precision: the caller's (``common.matmul_precision``).
+transitions).  The chunk terms run in the state dtype at the caller's matmul precision
+(``common.matmul_precision``); with 16-bit inputs the sweeps and reads take 16-bit operands with
+float32 accumulation, forward and backward (``loglinear_blocks.dot16``), as the kernels do.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from hla_jax.ops import common, fenwick
-from hla_jax.ops.loglinear_blocks import halves, heads_first
+from hla_jax.ops.loglinear_blocks import dot16, halves, heads_first
 from hla_jax.ops.loglinear_chunked import chunk_terms, window
 
 
-def _pairs(Pi, Z):
+def _low(spec: str, a, b, dtype):
+    """``dot16`` on operands cast to the 16-bit ``dtype``."""
+    return dot16(spec, a.astype(dtype), b.astype(dtype))
+
+
+def _pairs(Pi, Z, dot):
     """Adjacent nodes ``(2m, 2m+1)`` of ``Pi [B,H,n,d,d]``, ``Z [B,H,n,d,dv]`` (an odd ``n`` gets an
     identity node at the end): the left ones ``(Π_L, Z_L)`` and the combined ``(Π, Z)``."""
     if Pi.shape[2] % 2:
@@ -42,21 +52,21 @@ def _pairs(Pi, Z):
         Pi = jnp.concatenate([Pi, eye], 2)
         Z = jnp.concatenate([Z, jnp.zeros_like(Z[:, :, :1])], 2)
     PiL, PiR, ZL, ZR = Pi[:, :, 0::2], Pi[:, :, 1::2], Z[:, :, 0::2], Z[:, :, 1::2]
-    return (PiL, ZL), (common.mm(PiR, PiL), common.mm(PiR, ZL) + ZR)
+    return (PiL, ZL), (dot("...ij,...jk->...ik", PiR, PiL), dot("...ij,...jk->...ik", PiR, ZL) + ZR)
 
 
-def _levels(Qh, Pi, Z, Lam, lc: int, N: int):
+def _levels(Qh, Pi, Z, Lam, lc: int, N: int, dot):
     """The chunk levels (module docstring): ``Qh [B,H,Tp,d]`` per token, ``Pi [B,H,N,d,d]`` and
     ``Z [B,H,N,d,dv]`` per chunk, ``Lam [B,H,Tp,L]`` -> ``[B,H,Tp,dv]``."""
     B, H, Tp, d = Qh.shape
     r, out = Qh, 0.0
     for i in range(fenwick.num_levels(N) - 1):
-        (PiL, ZL), (Pi, Z) = _pairs(Pi, Z)
+        (PiL, ZL), (Pi, Z) = _pairs(Pi, Z, dot)
         span = (Tp // N) << i
         rh = halves(r, span)                                       # [B,H,nb,2,span,d]
         lam = halves(Lam[..., lc + 1 + i], span)[:, :, :, 1, :, None]
-        o = lam * common.ein("bhntd,bhnde->bhnte", rh[:, :, :, 1], ZL)
-        r = jnp.stack([rh[:, :, :, 0], common.ein("bhntd,bhnde->bhnte", rh[:, :, :, 1], PiL)], 3)
+        o = lam * dot("bhntd,bhnde->bhnte", rh[:, :, :, 1], ZL)
+        r = jnp.stack([rh[:, :, :, 0], dot("bhntd,bhnde->bhnte", rh[:, :, :, 1], PiL)], 3)
         r = r.reshape(B, H, -1, d)[:, :, :Tp]
         out = out + jnp.stack([jnp.zeros_like(o), o], 3).reshape(B, H, -1, o.shape[-1])[:, :, :Tp]
     return out
@@ -72,10 +82,12 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64):
     c, lc = chunk_size, fenwick.chunk_log2(chunk_size)
     N = -(-T // c)
     dt = common.state_dtype(q, k, v, g, beta, lam)
+    low = all(jnp.dtype(x.dtype).itemsize < 4 for x in (q, k, v))
+    dot = functools.partial(_low, dtype=q.dtype) if low else common.ein
     Q, K, V, G, Beta, Lam = (heads_first(x, N * c, dt) for x in (q, k, v, g, beta, lam))
     chunk = lambda x: x.reshape(x.shape[:2] + (N, c) + x.shape[3:])      # noqa: E731
     M, Qh, A_c, Kw = chunk_terms(*(chunk(x) for x in (Q, K, V, G, Beta)))
     Z = common.ein("...cd,...cv->...dv", Kw, chunk(V))
     out = window(chunk(Lam), M, chunk(V), fenwick.level_table(c)).reshape(B, H, N * c, -1)
-    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, lc, N)
+    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, lc, N, dot)
     return jnp.moveaxis(out, 1, 2)[:, :T]
