@@ -184,16 +184,23 @@ def train_workdirs(configs: dict, root) -> dict:
     return out
 
 
-def train_summary(workdir) -> dict | None:
-    """What the trainer logged in ``workdir/metrics.jsonl``: the median train ``tokens_per_s``
-    (the first record, with its compile, left out), the last train loss and the last eval loss;
-    None without a log."""
+def metrics(workdir, split: str) -> list[dict] | None:
+    """The ``split`` records ("train", "eval", "sample") the trainer wrote to
+    ``workdir/metrics.jsonl``, in order; None without a log."""
     path = pathlib.Path(workdir) / "metrics.jsonl"
     if not path.exists():
         return None
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    train = [r for r in records if r.get("split") == "train"]
-    evals = [r for r in records if r.get("split") == "eval"]
+    return [r for r in records if r.get("split") == split]
+
+
+def train_summary(workdir) -> dict | None:
+    """What the trainer logged in ``workdir/metrics.jsonl``: the median train ``tokens_per_s``
+    (the first record, with its compile, left out), the last train loss and the last eval loss;
+    None without a log."""
+    train, evals = metrics(workdir, "train"), metrics(workdir, "eval")
+    if train is None:
+        return None
     speeds = sorted(r["tokens_per_s"] for r in train[1:] if r.get("tokens_per_s"))
     return {"tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
             "train_loss": train[-1]["loss"] if train else None,

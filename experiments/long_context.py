@@ -25,7 +25,6 @@ already in the tag's JSON is skipped (the JSON refuses other settings), so sever
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import tempfile
@@ -73,12 +72,9 @@ def config(args, mixer: str):
 
 def settings(args) -> dict:
     c = config(args, "softmax")
-    if c.data.path:
-        tokens, starts = corpus.read_documents(corpus.text_files(c.data.path, c.data.pattern))
-        name = f"{c.data.path} ({c.data.pattern})"
-    else:
-        tokens, starts = corpus.stdlib_documents()
-        name = f"Python {sys.version.split()[0]} standard library sources"
+    tokens, starts = corpus.text_documents(c.data.path, c.data.pattern)
+    name = (f"{c.data.path} ({c.data.pattern})" if c.data.path
+            else f"Python {sys.version.split()[0]} standard library sources")
     return {"size": args.size, "seq_len": c.data.seq_len, "batch": c.data.batch_size,
             "steps": c.train.num_steps, "tokens": c.train.num_steps * c.data.batch_size * c.data.seq_len,
             "learning_rate": c.optim.learning_rate, "warmup": c.optim.warmup_steps,
@@ -89,13 +85,6 @@ def settings(args) -> dict:
             "corpus": f"{name}, {len(starts)} files, {tokens.size} bytes"}
 
 
-def curve(workdir) -> list:
-    """``[[step, train loss], ...]`` from the trainer's ``metrics.jsonl``."""
-    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    return [[r["step"], r["loss"]] for r in records if r.get("split") == "train"]
-
-
 def evaluate(args, workdir, T: int) -> dict:
     loaded = common.load_model(workdir)
     nll_fn = common.token_nll_fn(loaded[1])  # one program per shape: NIAH at 2T reuses this one's
@@ -103,7 +92,8 @@ def evaluate(args, workdir, T: int) -> dict:
                                      nll_fn)
     nh = niah.retrieval(workdir, [T, 2 * T], args.needles, args.examples, args.eval_batch, loaded,
                         "code", nll_fn)
-    return {**pl, "params": param_count(loaded[1]), "curve": curve(workdir),
+    curve = [[r["step"], r["loss"]] for r in common.metrics(workdir, "train")]
+    return {**pl, "params": param_count(loaded[1]), "curve": curve,
             "niah": {k: nh[k] for k in ("single", "multi", "decoy")}}
 
 

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from experiments import common  # noqa: E402
 from hla_jax import data as data_lib  # noqa: E402
 from hla_jax.data.synthetic import NIAH  # noqa: E402
-from hla_jax.train.steps import eval_summary  # noqa: E402
+from hla_jax.train.steps import eval_summary, masked_sums  # noqa: E402
 
 DISTRACTOR_KEYS = ("lucky", "secret", "special", "hidden", "winning", "chosen", "best", "first")
 
@@ -136,13 +136,9 @@ def train_configs(args) -> dict:
 
 
 def scores(nll_fn, x) -> dict:
-    """Sums of one batch ``x`` (``[b,T]`` arrays) for ``eval_summary``: masked nll, tokens,
-    correct tokens, and rows whose masked targets are all correct (a whole number)."""
-    nll, correct = jax.device_get(nll_fn({k: jnp.asarray(v) for k, v in x.items()}))
-    m = x["mask"] > 0
-    has = m.any(-1)
-    return {"nll": (nll * m).sum(), "tokens": m.sum(), "correct": (correct * m).sum(),
-            "rows_correct": (np.all((correct > 0) | ~m, -1) & has).sum(), "rows": has.sum()}
+    """The trainer's eval sums (``steps.masked_sums``) of one batch ``x`` (``[b,T]`` arrays)."""
+    nll, correct = nll_fn({k: jnp.asarray(v) for k, v in x.items()})
+    return jax.device_get(masked_sums(nll, correct, jnp.asarray(x["mask"])))
 
 
 def retrieval(workdir, lengths, needles: int, examples: int, batch: int, loaded=None,

@@ -64,6 +64,12 @@ def stdlib_documents() -> tuple[np.ndarray, np.ndarray]:
     return read_documents(stdlib_files())
 
 
+def text_documents(path="", pattern: str = "*.txt") -> tuple[np.ndarray, np.ndarray]:
+    """``read_documents`` of the files ``path`` names (``text_files``), or of the embedded
+    default corpus when ``path`` is empty (``data.path`` / ``data.pattern`` of a text config)."""
+    return read_documents(text_files(path, pattern)) if path else stdlib_documents()
+
+
 def stdlib_tokens() -> np.ndarray:
     """Byte tokens of the embedded default corpus."""
     return stdlib_documents()[0]

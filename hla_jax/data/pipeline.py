@@ -102,10 +102,8 @@ def make_sources(data, vocab_size: int):
     starts = None
     if data.kind == "tokens":
         tokens = corpus.load_tokens(data.path)
-    elif data.path:
-        tokens, starts = corpus.read_documents(corpus.text_files(data.path, data.pattern))
     else:
-        tokens, starts = corpus.stdlib_documents()
+        tokens, starts = corpus.text_documents(data.path, data.pattern)
     if vocab_size < (256 if data.kind == "text" else 0):
         raise ValueError(f"byte-level text needs model.vocab_size >= 256, got {vocab_size}")
     if not 0 < data.eval_fraction < 1:

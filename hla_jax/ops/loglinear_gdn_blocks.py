@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from hla_jax.ops import common, fenwick
 from hla_jax.ops.loglinear_blocks import dot16, halves, heads_first
 from hla_jax.ops.loglinear_chunked import chunk_terms, window
+from hla_jax.ops.ssm import combine
 
 
 def _low(spec: str, a, b, dtype):
@@ -46,13 +47,15 @@ def _low(spec: str, a, b, dtype):
 
 def _pairs(Pi, Z, dot):
     """Adjacent nodes ``(2m, 2m+1)`` of ``Pi [B,H,n,d,d]``, ``Z [B,H,n,d,dv]`` (an odd ``n`` gets an
-    identity node at the end): the left ones ``(Π_L, Z_L)`` and the combined ``(Π, Z)``."""
+    identity node at the end): the left ones ``(Π_L, Z_L)`` and the combined ``(Π, Z)``
+    (``ssm.combine``)."""
     if Pi.shape[2] % 2:
         eye = jnp.broadcast_to(jnp.eye(Pi.shape[-1], dtype=Pi.dtype), Pi.shape[:2] + (1,) + Pi.shape[3:])
         Pi = jnp.concatenate([Pi, eye], 2)
         Z = jnp.concatenate([Z, jnp.zeros_like(Z[:, :, :1])], 2)
     PiL, PiR, ZL, ZR = Pi[:, :, 0::2], Pi[:, :, 1::2], Z[:, :, 0::2], Z[:, :, 1::2]
-    return (PiL, ZL), (dot("...ij,...jk->...ik", PiR, PiL), dot("...ij,...jk->...ik", PiR, ZL) + ZR)
+    mm = functools.partial(dot, "...ij,...jk->...ik")
+    return (PiL, ZL), combine((PiL, ZL), (PiR, ZR), mm)
 
 
 def _levels(Qh, Pi, Z, Lam, lc: int, N: int, dot):

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 from hla_jax.ops import common, fenwick
 
 
-def mul(A, X):
-    """``A X`` for a transition ``A``: ``[..., 1, 1]`` (scalar decay) or ``[..., d, d]``."""
+def mul(A, X, mm=common.mm):
+    """``A X`` for a transition ``A``: ``[..., 1, 1]`` (scalar decay) or ``[..., d, d]`` (by
+    ``mm``)."""
     if A.shape[-1] == 1:
         return A * X
-    return common.mm(A, X)
+    return mm(A, X)
 
 
 def token_summaries(k, v, g, beta=None):
@@ -36,10 +37,10 @@ def token_summaries(k, v, g, beta=None):
     return a * (eye - kb[..., :, None] * k[..., None, :]), kb[..., :, None] * v[..., None, :]
 
 
-def combine(a, b):
+def combine(a, b, mm=common.mm):
     """SSM pair, ``a`` before ``b``: ``(A_a, H_a) ⊕ (A_b, H_b) = (A_b A_a, A_b H_a + H_b)``."""
     (A_a, H_a), (A_b, H_b) = a, b
-    return mul(A_b, A_a), mul(A_b, H_a) + H_b
+    return mul(A_b, A_a, mm), mul(A_b, H_a, mm) + H_b
 
 
 def readout(H, q, lam=None):

@@ -70,13 +70,17 @@ def make_eval_step(graphdef):
     def eval_step(params, rest, batch):
         batch = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
         nll, correct = token_nll(nnx.merge(graphdef, params, rest), batch)
-        _, mask = scored(batch)
-        has_target = jnp.sum(mask, axis=-1) > 0
-        row_ok = jnp.all((correct > 0) | (mask == 0), axis=-1) & has_target
-        return {"nll": jnp.sum(nll * mask), "tokens": jnp.sum(mask),
-                "correct": jnp.sum(correct * mask), "rows_correct": jnp.sum(row_ok),
-                "rows": jnp.sum(has_target)}
+        return masked_sums(nll, correct, scored(batch)[1])
     return eval_step
+
+
+def masked_sums(nll, correct, mask) -> dict:
+    """``eval_step``'s sums from per-token ``nll``, ``correct`` and ``mask`` ``[b,T]``."""
+    has_target = jnp.sum(mask, axis=-1) > 0
+    row_ok = jnp.all((correct > 0) | (mask == 0), axis=-1) & has_target
+    return {"nll": jnp.sum(nll * mask), "tokens": jnp.sum(mask),
+            "correct": jnp.sum(correct * mask), "rows_correct": jnp.sum(row_ok),
+            "rows": jnp.sum(has_target)}
 
 
 def eval_summary(sums) -> dict:
