@@ -28,7 +28,9 @@ Gates ``g``: per token (``token``), per head (``head``), none, or per token with
 (``reset``: in batch element 0 only, at chunk boundaries and at random, so the other element
 keeps its initial state's term), or per token with packed documents (``docs``: ``segment_ids``
 with documents of ``DOCS`` tokens in turn, starting mid-chunk, in element 0, one document in the
-other; the reference is the operator with ``g = −∞`` at each document start, SPEC §8).
+other; the reference is the operator with ``g = −∞`` at each document start, SPEC §8), or
+(``aligned``, delta rules) slow decays, β near 1 and keys around one direction, where the UT
+transform's ``(I + A)⁻¹`` is worst conditioned.
 Gradients of ``sum(o·w)`` (plus ``sum(h_T·w')`` for the final state) with respect to every
 differentiable input (q, k, v, g, the initial state, and β, λ where the operator has them).
 The reference runs in float64 (``jax.enable_x64``) on the same inputs:
@@ -75,7 +77,7 @@ class Case(NamedTuple):
     H: int
     d: int
     dv: int
-    gate: str | None  # "token" | "head" | "reset" | "docs" | None
+    gate: str | None  # "token" | "head" | "reset" | "docs" | "aligned" (slow decay) | None
     normalize: bool
     dtype: str
     backend: str | None = None  # la_pallas's (None: its default)
@@ -100,6 +102,7 @@ CASES = [
     *[Case(n, B, T, 2, 128, 128, gate, False, dt) for n, long in zip(BLOCKS, (4100, 1600))
       for B, T, gate, dt in ((2, 1000, "reset", "bfloat16"), (1, long, "token", "bfloat16"),
                              (2, 1000, "reset", "float32"))],  # the delta rule's oracle: O(T²d) memory
+    *[Case(n, 1, 1000, 2, 128, 128, "aligned", False, "bfloat16") for n in DELTA],
 ]
 
 
@@ -118,20 +121,23 @@ def operands(rng, case):
     B, T, H, d, dv = case.B, case.T, case.H, case.d, case.dv
     dt = jnp.dtype(case.dtype)
     q, k = (rng.normal(size=(B, T, H, d)) / np.sqrt(d) for _ in range(2))
+    if case.gate == "aligned":  # keys around one direction: the UT inverse's hard case
+        k = rng.normal(size=d) + 0.1 * rng.normal(size=(B, T, H, d))
     if case.kernel in DELTA:
         k = k / np.linalg.norm(k, axis=-1, keepdims=True)
     args = [jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(rng.normal(size=(B, T, H, dv)), dt)]
     names = ["q", "k", "v"]
     if case.gate is not None:
         shape = (H,) if case.gate == "head" else (B, T, H)
-        g = -rng.uniform(0, 0.2, shape)
+        g = -rng.uniform(0, 0.002 if case.gate == "aligned" else 0.2, shape)
         if case.gate == "reset":
             g[0, [t for t in RESETS if t < T]] = -np.inf
             g[0][rng.random((T, H)) < 0.005] = -np.inf
         args.append(jnp.asarray(g, jnp.float32))
         names.append("g")
     if case.kernel in DELTA:
-        args.append(jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.float32))
+        lo, hi = (0.9, 0.99) if case.gate == "aligned" else (0.1, 0.9)
+        args.append(jnp.asarray(rng.uniform(lo, hi, (B, T, H)), jnp.float32))
         names.append("beta")
     if case.kernel in WITH_LAM:
         args.append(jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, fenwick.num_levels(T))), jnp.float32))

@@ -38,14 +38,19 @@ def oracle(q, k, v, g, beta, h0):
                               impl="recurrent")
 
 
-@pytest.mark.parametrize("B,T,H,d,dv,reset", [
-    (1, 150, 2, 64, 96, False),    # three chunks (the last ragged), values padded to two tiles
-    (2, 128, 1, 128, 64, True),    # head dim 128, a −∞ gate mid-chunk and at a chunk start
-])
-def test_matches_recurrence(rng, B, T, H, d, dv, reset):
+@pytest.mark.parametrize("B,T,H,d,dv,case", [
+    (1, 150, 2, 64, 96, "plain"),  # three chunks (the last ragged), values padded to two tiles
+    (2, 128, 1, 128, 64, "reset"),  # head dim 128, a −∞ gate mid-chunk and at a chunk start
+    (1, 128, 1, 64, 64, "aligned"),  # keys near one direction, β ≈ 1, slow decay: the UT
+])                                   # inverse's ill-conditioned case (NaN in LM training once)
+def test_matches_recurrence(rng, B, T, H, d, dv, case):
     args = list(operands(rng, B, T, H, d, dv))
-    if reset:
+    if case == "reset":
         args[3] = args[3].at[0, 40, 0].set(-jnp.inf).at[1, 64, 0].set(-jnp.inf)
+    if case == "aligned":
+        k = rng.normal(size=d) + 0.1 * rng.normal(size=(B, T, H, d))
+        args[1] = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
+        args[3], args[4] = args[3] * 0.01, jnp.full_like(args[4], 0.95)
     for a, b, what in zip(kernel(*args), oracle(*args), ("o", "H_T")):
         assert_close(a, b, TOL, what)
     wo = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.float32)

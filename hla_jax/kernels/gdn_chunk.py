@@ -5,7 +5,7 @@ For ``c`` tokens with the local cumulative log-decay ``b`` (``ρ = exp(b)``, ``�
     A = strict_tril(diag(β)(K Kᵀ) ∘ Γ),   X = (I + A)⁻¹,   T = X diag(β)
     W = T (ρ∘K),   U = T V
 
-``X`` by repeated squaring (``loglinear_gdn_chunk.unit_lower_inverse``) and every product with
+``X`` by block doubling (``loglinear_gdn_chunk.unit_lower_inverse``) and every product with
 ``T`` on float32 operands (TF32 for bf16 inputs: a bf16 ``T`` costs the gate's gradient, which
 sums such errors over a chunk, about 10%); ``K Kᵀ`` and ``dT`` on operands of the input dtype.
 The backward gives ``dK, dV, dβ`` for ``b`` held fixed (the Gated DeltaNet kernel takes the

@@ -7,7 +7,7 @@ Same semantics as ``hla_jax.ops.loglinear_gated_deltanet``:
 
 Design (``kernels/loglinear_gdn_chunk.py`` has the per-chunk math):
 1. ``ut_forward``, parallel over chunks: the UT transform of each chunk (``(I + A)⁻¹`` by
-   repeated squaring), the state readout ``Q̂``, ``W``, ``U`` and the intra-chunk output.
+   block doubling), the state readout ``Q̂``, ``W``, ``U`` and the intra-chunk output.
 2. ``walk_forward``, one program per (batch, head, value tile): walks the chunks with the binary
    counter of S = ⌈log2 N⌉ level states (``d×bv`` float32 each, on chip); each chunk propagates the
    non-empty levels through its ``d×d`` transition as 2-D dots, O(T log T · d · dv) in all.

@@ -10,8 +10,8 @@ UT part (no state: parallel over chunks), ``ut_forward``::
     W = T (γ∘K),   U = T V,   P = (Q Kᵀ) ∘ Γ,   Q̂ = γ∘Q − P W
     O_intra = (Λ ∘ (P T)) V,   Λ[τ,σ] = λ_τ^{ℓ(τ,σ)},  ℓ = bit_length(τ XOR σ) ≤ log2 c
 
-``(I + A)⁻¹`` of the strictly lower-triangular (nilpotent) ``A`` is the product
-``(I − A)(I + A²)(I + A⁴)⋯`` (``2 log2(c) − 2`` matmuls), no linear solve.
+``(I + A)⁻¹`` of the strictly lower-triangular ``A`` doubles its diagonal blocks
+(``unit_lower_inverse``, ``2 log2(c)`` matmuls), no linear solve.
 
 Level walk (sequential over chunks ``n``), ``walk_forward``: level states ``H[m]: d×bv`` in
 float32, ``m = 1..S``, holding the earlier chunks at level ``log2 c + m`` (``H[m] ≠ 0`` only when
@@ -43,16 +43,22 @@ def tri_dot(a, b, fast: bool, ta: bool = False, tb: bool = False):
 
 
 def unit_lower_inverse(A, fast: bool = False):
-    """``(I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)⋯(I + A^{2^m})``, ``2^{m+1} ≥ c``, for a strictly
-    lower-triangular ``A [c,c]`` (``A^c = 0``): ``2 log2(c) − 2`` matmuls."""
+    """``(I + A)⁻¹`` of a strictly lower-triangular ``A [c,c]`` by
+    doubling the diagonal blocks: with ``X`` the block-diagonal inverse of the ``s×s`` blocks and
+    ``A_s`` the entries coupling each pair of them into a ``2s×2s`` block,
+    ``X ← X − X A_s X`` (``[[X₁,0],[−X₂A₂₁X₁, X₂]]``): ``2 log2(c)`` matmuls of bounded factors.
+
+    The Neumann product ``(I − A)(I + A²)(I + A⁴)⋯`` is exact too but not stable: for
+    correlated keys ``A``'s powers reach ``C(63,31) ≈ 10¹⁸`` at ``c = 64`` and cancel to an
+    inverse of order 1, which float32 loses entirely."""
     c = A.shape[0]
-    eye = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) == jax.lax.broadcasted_iota(
-        jnp.int32, (c, c), 1)
-    X, P, terms = jnp.where(eye, 1.0, 0.0).astype(A.dtype) - A, A, 2
-    while terms < c:
-        P = tri_dot(P, P, fast)
-        X = X + tri_dot(X, P, fast)
-        terms *= 2
+    i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    X, s = jnp.where(i == j, 1.0, 0.0).astype(A.dtype), 1
+    while s < c:
+        coupling = ((i ^ j) < 2 * s) & ((i & s) != 0) & ((j & s) == 0)
+        X = X - tri_dot(tri_dot(X, jnp.where(coupling, A, 0.0), fast), X, fast)
+        s *= 2
     return X
 
 

@@ -159,11 +159,13 @@ def train_and_evaluate(config, workdir) -> dict:
                 ckpt.wait()
                 bar.close()
                 writer.close()
+                good = ckpt.latest_step()
+                kept = (f"the last good checkpoint (step {good}) is kept in {ckpt.directory}"
+                        if good is not None else f"no checkpoint had been saved in {ckpt.directory}")
                 raise FloatingPointError(
                     f"non-finite loss {float(m['loss'])} / grad norm {float(m['grad_norm'])} at "
-                    f"step {s}: stopped without saving; the last good checkpoint (step "
-                    f"{ckpt.latest_step()}) is kept in {ckpt.directory}. Lower "
-                    f"optim.learning_rate, enable optim.clip_norm or check the data.")
+                    f"step {s}: stopped without saving; {kept}. Lower optim.learning_rate, "
+                    f"enable optim.clip_norm, check the data or the mixer's impl.")
         out = {"loss": float(np.mean([m["loss"] for m in values])),
                "grad_norm": float(np.mean([m["grad_norm"] for m in values])),
                "learning_rate": float(schedule(step - 1)), **meter.read()}
