@@ -10,9 +10,10 @@ input (forward + backward), and the peak memory XLA's buffer assignment gives th
 program (arguments + outputs + temporaries, ``compiled.memory_analysis()``). The chunked form
 must never hold a T×T array: at T=16384 one float32 T×T matrix per head is 1 GiB, at
 T=65536 it is 16 GiB. Results are written to ``experiments/results/bench_ops_<backend>.json``
-and printed as a Markdown table. ``--impls`` times each operator in several forms (a form an
-operator cannot take at that shape is recorded with its error), ``--shape`` replaces every
-operator's shape, ``--tag`` names the file ``bench_ops_<backend>_<tag>.json``.
+after every operator (a run cut short keeps what it measured) and printed as a Markdown table.
+``--impls`` times each operator in several forms (a form an operator cannot take at that shape
+is recorded with its error), ``--shape`` replaces every operator's shape, ``--tag`` names the
+file ``bench_ops_<backend>_<tag>.json``.
 """
 
 from __future__ import annotations
@@ -96,6 +97,22 @@ def bench(name, shape, dtype, repeats, impl="chunked"):
             "times_s": times, "peak_bytes": peak}
 
 
+def write(path, rows) -> dict:
+    """Add each log-linear row's ratios to its plain twin (same impl) and write the record."""
+    by = {(r["op"], r["impl"]): r for r in rows if "error" not in r}
+    for r in by.values():
+        twin = by.get((PLAIN_TWIN.get(r["op"], ""), r["impl"]))
+        if twin is not None:
+            r["time_ratio_to_plain"] = r["median_s"] / twin["median_s"]
+            r["memory_ratio_to_plain"] = r["peak_bytes"] / twin["peak_bytes"]
+    record = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+              "host": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+              "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return record
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="comma-separated operator names (default: all)")
@@ -121,32 +138,21 @@ def main(argv=None):
         p.error(f"--shape must look like B=1024,H=1,T=256,d=64,dv=64, got {a.shape!r}")
     if set(override) - {"B", "H", "T", "d", "dv"}:
         p.error(f"--shape takes B, H, T, d, dv; got {sorted(override)}")
+    backend = jax.default_backend()
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"bench_ops_{backend}{'_' + a.tag if a.tag else ''}.json")
     rows = []
     for name, impl in tqdm([(n, i) for n in names for i in impls], desc="fwd+bwd", unit="op"):
         shape = {**OPERATORS[name][1], **override}
         shape["T"] = int(shape["T"] * a.scale)
         try:
             rows.append(bench(name, shape, jnp.dtype(a.dtype), a.repeats, impl))
+            r = rows[-1]
+            tqdm.write(f"{name} ({impl}): {r['median_s']:.4f} s, peak {r['peak_bytes'] / 2**20:.0f} MiB")
         except (ValueError, NotImplementedError, FloatingPointError) as e:
             rows.append({"op": name, "impl": impl, **shape, "error": f"{type(e).__name__}: {e}"})
             tqdm.write(f"{name} ({impl}): {rows[-1]['error']}")
-            continue
-        r = rows[-1]
-        tqdm.write(f"{name} ({impl}): {r['median_s']:.4f} s, peak {r['peak_bytes'] / 2**20:.0f} MiB")
-    by = {(r["op"], r["impl"]): r for r in rows if "error" not in r}
-    for r in by.values():
-        twin = by.get((PLAIN_TWIN.get(r["op"], ""), r["impl"]))
-        if twin is not None:
-            r["time_ratio_to_plain"] = r["median_s"] / twin["median_s"]
-            r["memory_ratio_to_plain"] = r["peak_bytes"] / twin["peak_bytes"]
-    backend = jax.default_backend()
-    record = {"device": jax.devices()[0].device_kind, "backend": backend, "host": platform.processor()
-              or platform.machine(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
-              "date": time.strftime("%Y-%m-%d"), "rows": rows}
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"bench_ops_{backend}{'_' + a.tag if a.tag else ''}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+        record = write(path, rows)  # after every row: a run cut short keeps what it measured
     print(f"\n{record['device']} ({backend}), {a.dtype}, forward+backward, median of {a.repeats}")
     print("| op | impl | B | H | T | d | dv | median s | peak MiB | × plain (time / memory) |")
     print("|---|---|---|---|---|---|---|---|---|---|")

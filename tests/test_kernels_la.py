@@ -14,7 +14,7 @@ from helpers import assert_close, grads_of, lower_for, make_gate, make_qkv
 from hla_jax import kernels, ops
 from hla_jax.kernels import la_chunk, wrap
 from hla_jax.kernels.la import WALK_TUNING, la_pallas
-from hla_jax.ops import fenwick, reference
+from hla_jax.ops import fenwick, loglinear, reference
 
 TOL = 2e-3
 KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
@@ -259,6 +259,34 @@ def test_loglinear_ops_dispatch(rng, name, extra):
     entry = getattr(ops, name)
     assert_close(entry(q, k, v, g, *kw.values(), impl="pallas", chunk_size=16),
                  entry(q, k, v, g, *kw.values(), impl="reference"), TOL)
+
+
+@pytest.mark.parametrize("name,packed,dtype,want", [
+    ("loglinear_mamba2", False, jnp.bfloat16, "pallas"),
+    ("loglinear_mamba2", True, jnp.bfloat16, "pallas"),
+    ("loglinear_mamba2", False, jnp.float32, "blocks"),
+    ("loglinear_gated_deltanet", False, jnp.bfloat16, "gdn_blocks"),  # faster fwd+bwd on the H200
+    ("loglinear_gated_deltanet", True, jnp.bfloat16, "pallas"),
+    ("loglinear_gated_deltanet", False, jnp.float32, "gdn_blocks"),
+])
+def test_loglinear_auto_dispatch(rng, monkeypatch, name, packed, dtype, want):
+    """On a GPU, ``impl="auto"`` takes log-linear Mamba-2's kernels for bf16 rows, packed or
+    not, and log-linear Gated DeltaNet's kernels for packed bf16 rows only (whole rows: its
+    block form); otherwise the block forms (``impl="chunked"``)."""
+    B, T, H, d = 1, 40, 2, 16
+    q, k, v = (x.astype(dtype) for x in make_qkv(rng, B, T, H, d, d))
+    beta = (jnp.full((B, T, H), 0.5),) if "deltanet" in name else ()
+    lam = jnp.ones((B, T, H, fenwick.num_levels(T)))
+    seen = []
+    record = lambda tag: lambda *a, **kw: seen.append(tag) or v  # noqa: E731
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(loglinear, "_kernel_takes", lambda *a: True)
+    monkeypatch.setattr(loglinear.common, "pallas_entry", lambda n: record("pallas"))
+    for form in ("blocks", "gdn_blocks", "chunked"):
+        monkeypatch.setitem(loglinear._JITTED, form, record(form))
+    seg = jnp.asarray(np.repeat([0, 1], [15, 25])[None]) if packed else None
+    getattr(ops, name)(q, k, v, make_gate(rng, B, T, H), *beta, lam, segment_ids=seg)
+    assert seen == [want]
 
 
 def test_pallas_impl_is_refused_where_there_is_no_kernel(rng):
