@@ -89,8 +89,8 @@ def test_entry_refuses_what_the_kernel_does_not_take(rng):
 
 
 def test_lowers_for_cuda():
-    """Forward and backward (the three Mosaic GPU walks, the Triton UT transform and its
-    backward) go through the real lowering for head dims 64 and 128, one or two value tiles."""
+    """Forward and backward (the three Mosaic GPU walks, the Triton UT transform, run once, and
+    its backward) go through the real lowering for head dims 64 and 128, one or two value tiles."""
     for d, dv in ((64, 64), (128, 128)):
         x = jax.ShapeDtypeStruct((2, 256, 3, d), jnp.bfloat16)
         v = jax.ShapeDtypeStruct((2, 256, 3, dv), jnp.bfloat16)
@@ -104,7 +104,8 @@ def test_lowers_for_cuda():
         text = lower_for("cuda", jax.grad(loss, argnums=range(6)), x, x, v, s, s, h0)
         for mode in ("out", "rev", "dq"):
             assert f"gdn_walk_{mode}" in text, mode
-        assert text.count("__gpu$xla.gpu.triton") >= 3, "the UT transform, again, its backward"
+        # the UT transform once (the backward keeps its W) and its backward
+        assert text.count("__gpu$xla.gpu.triton") == 2, "the UT transform and its backward"
 
 
 def test_ut_backward_is_the_vjp_of_ut_forward(rng):

@@ -7,9 +7,10 @@
 (SPEC §4, "Gated DeltaNet chunk form"), parallel over chunks (``kernels/gpu/gdn_ut.py``, Triton,
 over ``kernels/gdn_chunk.py``): the UT transform ``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)``,
 ``W = T (ρ∘K)``, ``U = T V``; then one walk over the chunks (``kernels/gpu/gdn_mgpu.py``, Mosaic
-GPU) reads ``V' = U − W S``, the outputs and the state.  The backward is a reverse walk (``dV'``,
-``dK``, the state cotangent), a forward walk (``dQ``, ``dW``) and the UT transform's backward
-(chunk-parallel again).
+GPU) reads ``V' = U − W S``, the outputs and the state.  The backward, from ``W`` and ``V'`` kept
+by the forward (one ``[B,T,H,d]`` and one ``[B,T,H,dv]`` 16-bit array), is a reverse walk
+(``dV'``, ``dK``, the state cotangent), a forward walk (``dQ``, ``dW``) and the UT transform's
+backward (chunk-parallel again).
 
 The gate needs no walk of its own: in ``S̃_t = e^{−G_t} S_t`` (``G`` the cumulative log-decay) the
 recurrence reads ``S̃_t = (I − β k kᵀ) S̃_{t−1} + β k (e^{−G_t} v_t)ᵀ`` and ``o_t = S̃_tᵀ (e^{G_t} q_t)``,
@@ -60,24 +61,24 @@ def _heads_first(x):
 
 
 def _forward(q, k, v, beta, g, h0, interpret):
+    """``(O, H_T, V', W)``: the walk's outputs, and ``V'`` and ``W`` for the backward."""
     b = _local(g)
     w, u = gdn_ut.forward(k, v, b, _heads_first(beta), interpret=bool(interpret))
     o, vn, sT = gdn_mgpu.walk(b * LOG2E, _t(h0), (q, k, w, u), mode="out", interpret=interpret)
-    return o, _t(sT), vn
+    return o, _t(sT), vn, w
 
 
 def _core_fwd(q, k, v, beta, g, h0, interpret):
-    o, hT, vn = _forward(q, k, v, beta, g, h0, interpret)
-    return (o, hT), (q, k, v, beta, g, h0, vn, hT)
+    o, hT, vn, w = _forward(q, k, v, beta, g, h0, interpret)
+    return (o, hT), (q, k, v, beta, g, h0, vn, w, hT)
 
 
 def _core_bwd(interpret, res, cts):
-    q, k, v, beta, g, h0, vn, hT = res
+    q, k, v, beta, g, h0, vn, w, hT = res
     do, dhT = cts
     dt, tri = q.dtype, bool(interpret)
     b, beta_h = _local(g), _heads_first(beta)
     b2, do = b * LOG2E, do.astype(dt)
-    w, _ = gdn_ut.forward(k, v, b, beta_h, interpret=tri)
     du, dk, vkds, dh0 = gdn_mgpu.walk(b2, _t(dhT), (q, k, w, do, vn), mode="rev",
                                       interpret=interpret)
     dq, dw, qdq, _ = gdn_mgpu.walk(b2, _t(h0), (k, vn, do, du.astype(dt), q), mode="dq",
