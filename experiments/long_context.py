@@ -5,7 +5,7 @@ the training length and needle-in-a-haystack retrieval at it and beyond.
     python experiments/long_context.py --mixers softmax,hla2 --tag h200 --budget 400   # resumable
     python experiments/long_context.py --size tiny --steps 20 --mixers softmax,mamba2 --tag try
 
-Each mixer trains ``configs/lm.py`` at ``--size`` (30m: d 512, 10 layers, T=4096, batch 8, 1500
+Each mixer trains ``configs/lm.py`` at ``--size`` (30m: d 512, 10 layers, T=4096, batch 8, 1000
 steps, bf16) with the mixer's defaults, the same data, steps, schedule and seed, on plain rows of
 the embedded corpus (``data.pack=False``: a row is a window of the concatenated source files, so
 position t has t tokens of context; packed rows would restart at each file). Then, from its
@@ -19,7 +19,9 @@ are kept beside them.
 
 Resumable: results go to ``<out>/long_context_<tag>.{json,png,md}`` after every mixer, and a mixer
 already in the tag's JSON is skipped (the JSON refuses other settings), so several calls with
-``--mixers`` subsets or ``--budget S`` (no mixer starts after S seconds) build one table.
+``--mixers`` subsets or ``--budget S`` (no mixer starts after S seconds) build one table. A mixer
+whose training stops on a non-finite loss is recorded under ``failed`` with the trainer's message
+and the later mixers still run; the next call tries it again.
 """
 
 from __future__ import annotations
@@ -133,7 +135,9 @@ def table(res: dict) -> str:
             f"examples, multi = {s['needles']} needles; gain = loss of the answer's digits with a "
             f"decoy needle minus with the true one (nats/digit).\n\n" + common.markdown_table(head, rows)
             + "\n\n" + position_loss.table({"runs": res["runs"], "settings": {
-                "batches": s["eval_batches"], "batch": s["eval_batch"]}}))
+                "batches": s["eval_batches"], "batch": s["eval_batch"]}})
+            + "".join(f"\n\nFailed (retried by the next call): {m}: {f['error']}"
+                      for m, f in res.get("failed", {}).items()))
 
 
 def plot(res: dict):
@@ -198,13 +202,21 @@ def main(argv=None) -> dict:
             break
         start = time.perf_counter()
         c = config(args, mixer)
-        workdir = common.train_workdirs({mixer: c}, root)[mixer]
+        try:
+            workdir = common.train_workdirs({mixer: c}, root)[mixer]
+        except FloatingPointError as e:  # recorded, the later mixers still run; retried next call
+            res.setdefault("failed", {})[mixer] = {"error": str(e), "wall_s": time.perf_counter() - start,
+                                                   "device": jax.devices()[0].device_kind}
+            md = write(res, out, args.tag)
+            print(f"{mixer}: failed after {time.perf_counter() - start:.0f} s: {e}", flush=True)
+            continue
         res["runs"][mixer] = {**evaluate(args, workdir, c.data.seq_len),
                               "wall_s": time.perf_counter() - start,
                               "device": jax.devices()[0].device_kind}
+        res.get("failed", {}).pop(mixer, None)
         md = write(res, out, args.tag)
         print(f"{mixer}: {res['runs'][mixer]['wall_s']:.0f} s", flush=True)
-    if res["runs"]:
+    if res["runs"] or res.get("failed"):
         print(md or write(res, out, args.tag))
     return res
 

@@ -84,14 +84,28 @@ def test_code_niah_plants_the_needle_in_source_and_the_decoy_pairs_it(rng):
         niah.CodeNIAH(400, haystack[:100])
 
 
-def test_long_context_trains_evaluates_and_resumes(tmp_path, capsys):
+def test_long_context_trains_evaluates_and_resumes(tmp_path, capsys, monkeypatch):
     args = ["--size", "tiny", "--steps", "3", "--mixers", "linear,mamba2", "--eval_batch", "2",
             "--eval_batches", "1", "--examples", "2", "--needles", "2", "--tag", "t",
             "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "data.batch_size=2",
             "--set", "data.seq_len=128", "--workroot", str(tmp_path / "runs"), "--out", str(tmp_path)]
     long_context.main(args[:5] + ["linear"] + args[6:])
-    long_context.main(args)  # resumes: linear is kept, only mamba2 trains
+    train = long_context.common.train_workdirs
+
+    def diverges(configs, root):
+        if "mamba2" in configs:
+            raise FloatingPointError("non-finite loss nan / grad norm nan at step 2")
+        return train(configs, root)
+
+    monkeypatch.setattr(long_context.common, "train_workdirs", diverges)
+    long_context.main(args)  # mamba2 stops on a non-finite loss: recorded, the call ends normally
     res, md = _outputs(tmp_path, "long_context_t")
+    assert list(res["runs"]) == ["linear"] and "non-finite" in res["failed"]["mamba2"]["error"]
+    assert "Failed (retried by the next call): mamba2: non-finite" in md
+    monkeypatch.setattr(long_context.common, "train_workdirs", train)
+    long_context.main(args)  # resumes: linear is kept, mamba2 is tried again and trains
+    res, md = _outputs(tmp_path, "long_context_t")
+    assert not res["failed"] and "Failed" not in md
     assert list(res["runs"]) == ["linear", "mamba2"] and res["settings"]["eval_seq_len"] == 256
     for run in res["runs"].values():
         assert run["step"] == 3 and len(run["per_position"]) == 256 and run["params"] > 0
