@@ -205,10 +205,11 @@ def main(argv=None) -> dict:
         try:
             workdir = common.train_workdirs({mixer: c}, root)[mixer]
         except FloatingPointError as e:  # recorded, the later mixers still run; retried next call
-            res.setdefault("failed", {})[mixer] = {"error": str(e), "wall_s": time.perf_counter() - start,
+            spent = time.perf_counter() - start
+            res.setdefault("failed", {})[mixer] = {"error": str(e), "wall_s": spent,
                                                    "device": jax.devices()[0].device_kind}
             md = write(res, out, args.tag)
-            print(f"{mixer}: failed after {time.perf_counter() - start:.0f} s: {e}", flush=True)
+            print(f"{mixer}: failed after {spent:.0f} s: {e}", flush=True)
             continue
         res["runs"][mixer] = {**evaluate(args, workdir, c.data.seq_len),
                               "wall_s": time.perf_counter() - start,

@@ -19,6 +19,13 @@ def assert_close(out, ref, tol: float, what: str = "output"):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
+def keys_around_one_direction(rng, shape, spread: float) -> np.ndarray:
+    """Unit keys ``[..., d]``: one shared random direction plus ``spread`` times noise (0: all
+    equal), the hard case of the delta rule's UT inverse."""
+    k = rng.normal(size=shape[-1]) + spread * rng.normal(size=shape)
+    return k / np.linalg.norm(k, axis=-1, keepdims=True)
+
+
 def make_qkv(rng, B=2, T=37, H=2, d=5, dv=3, dtype=np.float32):
     """Random ``q, k: [B,T,H,d]`` scaled by 1/sqrt(d) and ``v: [B,T,H,dv]``."""
     q = rng.normal(size=(B, T, H, d)) / np.sqrt(d)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, lower_for
+from helpers import assert_close, keys_around_one_direction, lower_for
 
 from hla_jax import ops
 from hla_jax.kernels import gated_deltanet_pallas, gdn
@@ -48,8 +48,7 @@ def test_matches_recurrence(rng, B, T, H, d, dv, case):
     if case == "reset":
         args[3] = args[3].at[0, 40, 0].set(-jnp.inf).at[1, 64, 0].set(-jnp.inf)
     if case == "aligned":
-        k = rng.normal(size=d) + 0.1 * rng.normal(size=(B, T, H, d))
-        args[1] = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
+        args[1] = jnp.asarray(keys_around_one_direction(rng, (B, T, H, d), 0.1), jnp.bfloat16)
         args[3], args[4] = args[3] * 0.01, jnp.full_like(args[4], 0.95)
     for a, b, what in zip(kernel(*args), oracle(*args), ("o", "H_T")):
         assert_close(a, b, TOL, what)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, grads_of, lower_for, make_gate, make_qkv
+from helpers import assert_close, grads_of, keys_around_one_direction, lower_for, make_gate, make_qkv
 
 from hla_jax.kernels import loglinear_gdn_chunk as chunk
 from hla_jax.kernels.loglinear_gdn import loglinear_gated_deltanet_pallas
@@ -112,8 +112,7 @@ def test_unit_lower_inverse_is_stable_for_correlated_keys(rng, spread):
     all equal), β = 0.95, no decay: the inverse has entries of order 1, the powers of ``A`` up
     to 10¹⁸ (the Neumann product lost everything there: errors 80 to 4e9)."""
     c, d = 64, 128
-    K = rng.normal(size=d)[None] + spread * rng.normal(size=(c, d))
-    K /= np.linalg.norm(K, axis=1, keepdims=True)
+    K = keys_around_one_direction(rng, (c, d), spread)
     A = np.tril(0.95 * (K @ K.T), -1)
     want = np.linalg.inv(np.eye(c) + A)
     got = np.asarray(chunk.unit_lower_inverse(jnp.asarray(A, jnp.float32)))

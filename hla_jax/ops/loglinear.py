@@ -224,7 +224,7 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     # log-linear GDN on whole rows: the block form, faster than its kernels forward+backward
     # (38.9 against 65.6 ms at T=8192 on the H200, kernels_bench_loglinear_gdn_blocks)
     blocks_first = name == "loglinear_gated_deltanet" and segment_ids is None
-    if (impl == "auto" and name in KERNELS and not (lam is not None and (refused or blocks_first))
+    if (impl == "auto" and name in KERNELS and not (lam is not None and refused) and not blocks_first
             and common.pallas_preferred(seq_axis, chunk_size, q, k, v)
             and _kernel_takes(name, q, k, v, chunk_size)):
         impl = "pallas"
