@@ -21,7 +21,8 @@ bit ``m−1`` of ``n`` is set, so the others are skipped)::
     carry into n+1 (z = trailing zeros of n+1):  H[z+1] = K̃ᵀ U + Σ_{m≤z} H[m],  H[1..z] = 0
 
 Matmul operands are in the input dtype (bf16 or float32), accumulation in float32; the
-triangular inverse runs on float32 operands (TF32 when the inputs are bf16).
+triangular inverse and every product with ``T`` run on float32 operands (TF32 when the inputs
+are bf16), as in ``gdn_chunk``: a bf16 ``T`` costs the gate's and β's gradients most.
 """
 
 from __future__ import annotations
@@ -72,15 +73,16 @@ def ut_forward(Q, K, V, bb, beta, lam):
     """``(Q̂ [c,d], W [c,d], U [c,dv], O_intra [c,dv])`` (float32) from ``Q, K [c,d]``,
     ``V [c,dv]``, ``bb, beta [c]`` and ``lam``: the ``log2 c + 1`` intra levels, vectors ``[c]``."""
     dt = Q.dtype
+    fast = dt == jnp.bfloat16
     r, _, _, Gam, _ = decays(bb)
     c = Q.shape[0]
     A = jnp.where(strict_lower(c), beta[:, None] * dot(K, K, tb=True) * Gam, 0.0)
-    Tm = (unit_lower_inverse(A, dt == jnp.bfloat16) * beta[None, :]).astype(dt)
-    W = dot(Tm, (r[:, None] * K).astype(dt))
-    U = dot(Tm, V)
-    P = (dot(Q, K, tb=True) * Gam).astype(dt)
-    Qh = r[:, None] * Q - dot(P, W.astype(dt))
-    O = dot((level_weights(lam, level_table(c)) * dot(P, Tm)).astype(dt), V)
+    Tm = unit_lower_inverse(A, fast) * beta[None, :]
+    W = tri_dot(Tm, r[:, None] * K, fast)
+    U = tri_dot(Tm, V, fast)
+    P = dot(Q, K, tb=True) * Gam
+    Qh = r[:, None] * Q - dot(P.astype(dt), W.astype(dt))
+    O = dot((level_weights(lam, level_table(c)) * tri_dot(P, Tm, fast)).astype(dt), V)
     return Qh, W, U, O
 
 
@@ -95,23 +97,23 @@ def ut_backward(Q, K, V, bb, beta, lam, dQh, dW, dU, dO):
     KK = dot(K, K, tb=True)
     A = jnp.where(strict, beta[:, None] * KK * Gam, 0.0)
     X = unit_lower_inverse(A, fast)
-    Tm = X * beta[None, :]
-    Tm_, Kr = Tm.astype(dt), r[:, None] * K
-    W = dot(Tm_, Kr.astype(dt))
+    Tm, Kr = X * beta[None, :], r[:, None] * K
+    W = tri_dot(Tm, Kr, fast)
     P = dot(Q, K, tb=True) * Gam
     P_ = P.astype(dt)
-    M = dot(P_, Tm_)
+    M = tri_dot(P, Tm, fast)
     Lam = level_weights(lam, lev)
     dO_, dQh_, dU_ = dO.astype(dt), dQh.astype(dt), dU.astype(dt)
 
     dOV = dot(dO_, V, tb=True)
-    dM_ = (Lam * dOV).astype(dt)
+    dM = Lam * dOV
     dlam = tuple(level_sums(M * dOV, lev, len(lam)))
-    dV = dot((Lam * M).astype(dt), dO_, ta=True) + dot(Tm_, dU_, ta=True)
-    dWt = (dW - dot(P_, dQh_, ta=True)).astype(dt)
-    dP = dot(dM_, Tm_, tb=True) - dot(dQh_, W.astype(dt), tb=True)
-    dTm = dot(P_, dM_, ta=True) + dot(dU_, V, tb=True) + dot(dWt, Kr.astype(dt), tb=True)
-    dKr = dot(Tm_, dWt, ta=True)
+    dV = dot((Lam * M).astype(dt), dO_, ta=True) + tri_dot(Tm, dU, fast, ta=True)
+    dWt = dW - dot(P_, dQh_, ta=True)
+    dP = tri_dot(dM, Tm, fast, tb=True) - dot(dQh_, W.astype(dt), tb=True)
+    dTm = (dot(P_, dM.astype(dt), ta=True) + dot(dU_, V, tb=True)
+           + dot(dWt.astype(dt), Kr.astype(dt), tb=True))
+    dKr = tri_dot(Tm, dWt, fast, ta=True)
     dPG = (dP * Gam).astype(dt)
     dbeta = jnp.sum(X * dTm, axis=0)
     dA = -tri_dot(tri_dot(X, dTm * beta[None, :], fast, ta=True), X, fast, tb=True)
@@ -159,12 +161,16 @@ def _carry_masks(n, S: int):
 def walk_forward(Qh, W, Kt, U, gc, lam, H, n, save=None):
     """Chunk ``n`` of the level walk -> ``(O_inter [c,bv], the states after the carry into n+1)``.
 
-    ``Qh, W, Kt [c,d]`` and ``U [c,bv]`` in the matmul dtype, ``gc`` = γ_c, ``lam``: S vectors
+    ``Qh, W [c,d]`` and ``U [c,bv]`` in the matmul dtype, ``Kt [c,d]`` float32 (its products
+    in TF32 for bf16: the delta rule's ``H − K̃ᵀ(W H)`` removes a key direction only when ``K̃``
+    matches ``W``'s keys; a bf16 ``K̃`` cost the aligned check 4× its error), ``gc`` = γ_c,
+    ``lam``: S vectors
     ``[c]`` (λ at levels ``log2 c + 1 .. log2 c + S``), ``H``: S float32 states ``[d,bv]`` after
     the carry into chunk ``n``.  ``save(m, H[m])`` is called for each level read at this chunk (the backward's
     checkpoints).
     """
     dt, n = Qh.dtype, jnp.asarray(n, jnp.int32)
+    fast = dt == jnp.bfloat16
     O = jnp.zeros((Qh.shape[0], U.shape[1]), H[0].dtype)
     out = []
     for m, (Hm, w) in enumerate(zip(H, lam), 1):
@@ -173,12 +179,12 @@ def walk_forward(Qh, W, Kt, U, gc, lam, H, n, save=None):
                 save(m, Hm)
             Hd = Hm.astype(dt)
             O = O + w[:, None] * dot(Qh, Hd)
-            return gc * Hm - dot(Kt, dot(W, Hd).astype(dt), ta=True), O
+            return gc * Hm - tri_dot(Kt, dot(W, Hd), fast, ta=True), O
 
         Hm, O = jax.lax.cond(_bit(n, m - 1), active, lambda Hm, O: (Hm, O), Hm, O)
         out.append(Hm)
     below, top = _carry_masks(n + 1, len(H))
-    merged = dot(Kt, U, ta=True) + sum(lo * Hm for lo, Hm in zip(below, out))
+    merged = tri_dot(Kt, U, fast, ta=True) + sum(lo * Hm for lo, Hm in zip(below, out))
     return O, tuple(tp * merged + (1.0 - lo) * Hm for lo, tp, Hm in zip(below, top, out))
 
 
@@ -201,6 +207,7 @@ def walk_backward(Qh, W, Kt, U, gc, lam, dO, load, dOwn, dH, n, dload=None):
     states)``, float32.
     """
     dt, n = Qh.dtype, jnp.asarray(n, jnp.int32)
+    fast = dt == jnp.bfloat16
     c, d = Qh.shape
     dOwn_ = dOwn.astype(dt)
     f = dOwn.dtype
@@ -214,9 +221,9 @@ def walk_backward(Qh, W, Kt, U, gc, lam, dO, load, dOwn, dH, n, dload=None):
                 dHm = dload(m)
             Hd, dHd = Hm.astype(dt), dHm.astype(dt)
             wdO = (w[:, None] * dO).astype(dt)
-            Y = dot(Kt, dHd).astype(dt)
-            return (gc * dHm - dot(W, Y, ta=True) + dot(Qh, wdO, ta=True),
-                    dQh + dot(wdO, Hd, tb=True), dW - dot(Y, Hd, tb=True),
+            Y = tri_dot(Kt, dHm, fast)
+            return (gc * dHm - tri_dot(W, Y, fast, ta=True) + dot(Qh, wdO, ta=True),
+                    dQh + dot(wdO, Hd, tb=True), dW - dot(Y.astype(dt), Hd, tb=True),
                     dKt - dot(dot(W, Hd).astype(dt), dHd, tb=True), dgc + jnp.sum(dHm * Hm, axis=0),
                     jnp.sum(dO * dot(Qh, Hd), axis=1))
 
@@ -227,4 +234,4 @@ def walk_backward(Qh, W, Kt, U, gc, lam, dO, load, dOwn, dH, n, dload=None):
         dH_in.append(dHm)
         dlam.append(dl)
     dQh, dW, dKt, dgc = acc
-    return dQh, dW, dKt, dot(Kt, dOwn_), jnp.sum(dgc), tuple(dlam), tuple(dH_in)
+    return dQh, dW, dKt, tri_dot(Kt, dOwn, fast), jnp.sum(dgc), tuple(dlam), tuple(dH_in)

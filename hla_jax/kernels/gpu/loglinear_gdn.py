@@ -93,7 +93,7 @@ def walk_forward(qh, w, k, u, o_intra, b, lam, *, c, bv, save_states=False, num_
                 s_ref[0][i, h, m - 1, _slot(n, m), :, vs] = Hm.astype(s_ref[0].dtype)
 
             O, Hs = chunk.walk_forward(
-                qh_ref[i, ts, h, :], w_ref[i, ts, h, :], Kt.astype(qh.dtype), u_ref[i, ts, h, vs],
+                qh_ref[i, ts, h, :], w_ref[i, ts, h, :], Kt, u_ref[i, ts, h, vs],
                 gc, tuple(lam_ref[i, h, lc + m, ts] for m in range(1, S + 1)), Hs, n,
                 save if save_states else None)
             o_ref[i, ts, h, vs] = oi_ref[i, ts, h, vs] + O
@@ -136,7 +136,7 @@ def walk_dstates(qh, w, k, u, b, lam, states, do, *, c, bv, num_warps=8, interpr
                     dlev_ref[i, h, m - 1, _slot(n, m), :, vs] = dH[m - 1].astype(dlev_ref.dtype)
 
             *_, dHs = chunk.walk_backward(
-                qh_ref[i, ts, h, :], w_ref[i, ts, h, :], Kt.astype(qh.dtype), u_ref[i, ts, h, vs],
+                qh_ref[i, ts, h, :], w_ref[i, ts, h, :], Kt, u_ref[i, ts, h, vs],
                 gc, tuple(lam_ref[i, h, lc + m, ts] for m in range(1, S + 1)),
                 do_ref[i, ts, h, vs],
                 lambda m: s_ref[i, h, m - 1, _slot(n, m), :, vs].astype(F32), dOwn, dH, n)
@@ -170,7 +170,7 @@ def walk_grads(qh, w, k, u, b, lam, states, dOwn, dlev, do, *, c, bv, num_warps=
         K, bb = k_ref[i, ts, h, :], b_ref[i, h, ts]
         Kt, gc = chunk.chunk_end(K, bb)
         dQh, dW, dKt, dU, dgc, dlam, _ = chunk.walk_backward(
-            qh_ref[i, ts, h, :], w_ref[i, ts, h, :], Kt.astype(qh.dtype), u_ref[i, ts, h, vs],
+            qh_ref[i, ts, h, :], w_ref[i, ts, h, :], Kt, u_ref[i, ts, h, vs],
             gc, tuple(lam_ref[i, h, lc + m, ts] for m in range(1, S + 1)), do_ref[i, ts, h, vs],
             lambda m: s_ref[i, h, m - 1, _slot(n, m), :, vs].astype(F32),
             down_ref[i, h, n, :, vs].astype(F32), [jnp.zeros((d, bv), F32)] * S, n,

@@ -105,7 +105,7 @@ def walk_forward(qh, w, k, u, o_intra, b, lam, *, c, bv=None, save_states=False,
 
         Kt, gc = chunk.chunk_end(k_ref[...], b_ref[0])
         lam_n = lam_ref[...]
-        O, Hs = chunk.walk_forward(qh_ref[...], w_ref[...], Kt.astype(qh.dtype), u_ref[...], gc,
+        O, Hs = chunk.walk_forward(qh_ref[...], w_ref[...], Kt, u_ref[...], gc,
                                    tuple(lam_n[lc + m] for m in range(1, S + 1)),
                                    tuple(h_scr[m] for m in range(S)), n,
                                    save if save_states else None)
@@ -149,7 +149,7 @@ def walk_dstates(qh, w, k, u, b, lam, states, do, *, c, bv=None, num_warps=None,
         for m, dHm in enumerate(dH):
             dlev_ref[m] = dHm.astype(dlev_ref.dtype)
         *_, dHs = chunk.walk_backward(
-            qh_ref[...], w_ref[...], Kt.astype(qh.dtype), u_ref[...], gc,
+            qh_ref[...], w_ref[...], Kt, u_ref[...], gc,
             tuple(lam_n[lc + m] for m in range(1, S + 1)), do_ref[...],
             lambda m: s_ref[m - 1].astype(F32), dOwn, dH, n)
         for m, dHm in enumerate(dHs):
@@ -183,7 +183,7 @@ def walk_grads(qh, w, k, u, b, lam, states, dOwn, dlev, do, *, c, bv=None, num_w
         K, bb, lam_n = k_ref[...], b_ref[0], lam_ref[...]
         Kt, gc = chunk.chunk_end(K, bb)
         dQh, dW, dKt, du_ref[...], dgc, dlam, _ = chunk.walk_backward(
-            qh_ref[...], w_ref[...], Kt.astype(qh.dtype), u_ref[...], gc,
+            qh_ref[...], w_ref[...], Kt, u_ref[...], gc,
             tuple(lam_n[lc + m] for m in range(1, S + 1)), do_ref[...],
             lambda m: s_ref[m - 1].astype(F32), down_ref[...].astype(F32),
             [jnp.zeros((d, dv), F32)] * S, pl.program_id(2),
