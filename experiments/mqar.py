@@ -7,6 +7,7 @@
     python experiments/mqar.py --mixture --tag zoology_mix ...  # one model per lr on all pair counts
     python experiments/mqar.py --shard 0/4 ...   # one of 4 processes (every 4th cell)
     python experiments/mqar.py --merge ...       # fold the shard files into mqar_<tag>.json
+                                                 # (their mixers and dims pooled)
 
 Protocol (``--protocol``, recorded in the JSON settings; ``--steps``, ``--batch``,
 ``--eval_every`` override its numbers): ``zoology`` (default) is Zoology's MQAR budget: T=256,
@@ -55,9 +56,12 @@ slowest setup left on top, and a call always takes at least one step.
 
 Results: ``<out>/mqar_<tag>.json`` (settings; every run, its ``seconds`` the program's time
 shared out; per-program timings, ms/step included, under ``cells``; the best table, from each
-run's final or stopped-at accuracy; the paper's numbers), ``mqar_<tag>.png`` (accuracy vs pairs,
-one panel per dim) and ``mqar_<tag>.md`` (the Markdown tables, also printed), written after
-every program (a model that stopped early as soon as its program ends or the budget cuts it).
+run's final or stopped-at accuracy; the paper's numbers; under ``partial``, the models a
+--time_budget cut while still training, with their last eval and ``cut_at``, until a later call
+finishes them: what a call learnt survives even when its checkpoint does not),
+``mqar_<tag>.png`` (accuracy vs pairs, one panel per dim) and ``mqar_<tag>.md`` (the Markdown
+tables, also printed), written after every program (a model that stopped early as soon as its
+program ends or the budget cuts it).
 Runs already recorded (in the tag's JSON or any of its shard files) are skipped. ``--shard i/n``
 takes every n-th cell of the grid, the same cells in every call (shards may run together or one
 after another; a later call may use another n: the checkpoints are the tag's, not a shard's).
@@ -432,6 +436,15 @@ class Program:
         return {run_key(self.mixer, self.dim, *spec): self.record(j, seconds)
                 for j, spec in enumerate(self.models) if self.done() or not self.active()[j]}
 
+    def progress(self) -> dict:
+        """``{run_key: run}`` of the models still training that have an eval, as ``record`` gives
+        them now plus ``cut_at`` (the step): what a call cut by --time_budget learnt, kept in the
+        JSON's ``partial`` even when its checkpoint is lost (a call that finishes the run
+        replaces it)."""
+        seconds = (self.timing["train_s"] + self.other_seconds()) / len(self.models)
+        return {run_key(self.mixer, self.dim, *spec): {**self.record(j, seconds), "cut_at": self.step}
+                for j, spec in enumerate(self.models) if self.active()[j] and self.final[j]}
+
     def record(self, j, seconds) -> dict:
         """Model ``j``'s JSON entry: its last eval (stopped-at or final; mean over the counts of a
         mixture, ``per_pairs`` each); diverged: accuracy 0, no losses."""
@@ -547,7 +560,23 @@ def tables(res: dict) -> str:
             rows.append([row, d] + ["–" if c is None else f"{common.fmt(c['accuracy'])} (lr {c['lr']:g})"
                                     for c in cells])
     out += ["Per pair count (best lr in brackets):", "", common.markdown_table(head, rows)]
+    partial = sorted(res.get("partial", {}).values(), key=lambda r: (r["mixer"], r["dim"], r["lr"]))
+    if partial:
+        rows = [[r["mixer"] + (" (mix)" if isinstance(r["pairs"], list) else ""), r["dim"],
+                 f"{r['lr']:g}", r["cut_at"], common.fmt(r["accuracy"])]
+                + [cut_cell(r, p) for p in pairs] for r in partial]
+        out += ["", "Cut by --time_budget and not resumed yet: still training, their last eval "
+                "(not in the tables above):", "",
+                common.markdown_table(["mixer", "dim", "lr", "step", "mean"] + head[2:], rows)]
     return "\n".join(out)
+
+
+def cut_cell(run, pairs) -> str:
+    """A partial run's accuracy at ``pairs`` (a mixture's per count), or "–"."""
+    if isinstance(run["pairs"], list):
+        e = run.get("per_pairs", {}).get(str(pairs))
+        return "–" if e is None else common.fmt(e["accuracy"])
+    return common.fmt(run["accuracy"]) if run["pairs"] == pairs else "–"
 
 
 def plot(res: dict):
@@ -623,12 +652,19 @@ def main(argv=None) -> dict:
     res = common.read_json(main_path) or {"tag": args.tag, "runs": {}}
     res.setdefault("cells", {})
     res["settings"] = settings
-    if args.merge:  # settings from the shard files (the sweep's), runs pooled
+    if args.merge:  # settings from the shard files (the sweep's, their mixers and dims pooled), runs pooled
+        mixers, dims, partial = [], [], res.setdefault("partial", {})
         for shard in shard_files:
             part = common.read_json(shard)
             res["runs"].update(part["runs"])
             res["cells"].update(part.get("cells", {}))
-            res["settings"] = part.get("settings", settings)
+            partial.update(part.get("partial", {}))
+            res["settings"] = dict(part.get("settings", settings))
+            mixers += [m for m in res["settings"]["mixers"] if m not in mixers]
+            dims += [d for d in res["settings"]["dims"] if d not in dims]
+        res["settings"].update(mixers=mixers or settings["mixers"], dims=dims or settings["dims"])
+        for key in res["runs"]:
+            partial.pop(key, None)
         md = finish(res, out, args.tag)
         print(md)
         return res
@@ -661,6 +697,11 @@ def main(argv=None) -> dict:
             finished = prog.run(stop=lambda p: left() < RESERVE_S + 2 * p.slowest_save)
             runs = prog.records()
             mine["runs"].update(runs)
+            partial = mine.setdefault("partial", {})
+            for key in runs:
+                partial.pop(key, None)
+            if not finished:
+                partial.update(prog.progress())
             mine["cells"][name] = prog.timings()
             write()
             tqdm.tqdm.write(cell_report(name, runs, mine["cells"][name], args.pairs, args.lrs))

@@ -193,6 +193,43 @@ def test_mqar_merge_of_shard_files(tmp_path):
     assert "| hla2 | 50.0 | – |" in md
 
 
+def test_mqar_merge_pools_the_shards_mixers(tmp_path):
+    """Shards run with different ``--mixers`` merge into one table of all of them."""
+    run = lambda m, acc: {"mixer": m, "dim": 16, "pairs": 4, "lr": 0.01, "accuracy": acc,
+                          "row_accuracy": 0.1}
+    for i, (m, acc) in enumerate((("hla2", 0.5), ("softmax", 0.75))):
+        (tmp_path / f"mqar_u.shard{i}of2.json").write_text(json.dumps({
+            "settings": {"mixers": [m], "dims": [16],
+                         "pairs": [4], "lrs": [0.01], "seq_len": 256, "steps": 10, "batch": 8},
+            "runs": {f"{m}/d16/kv4/lr0.01": run(m, acc)}}))
+    mqar.main(["--merge", "--tag", "u", "--out", str(tmp_path), "--jit_cache", ""])
+    res, md = _outputs(tmp_path, "mqar_u")
+    assert res["settings"]["mixers"] == ["hla2", "softmax"] and res["settings"]["dims"] == [16]
+    assert "| hla2 | 50.0 | – |" in md and "| softmax | 75.0 | ≥99.0 |" in md
+
+
+def test_mqar_cut_runs_keep_their_last_eval(tmp_path, monkeypatch, jit_cache):
+    """A call cut by its budget after an eval records each model still training under
+    ``partial`` (its last eval and ``cut_at``; the Markdown lists them apart from the tables),
+    so a lost checkpoint loses no result; the call that finishes them replaces those entries."""
+    argv = TINY + ["--mixers", "softmax", "--mixture", "--target", "0", "--tag", "p",
+                   "--out", str(tmp_path), "--jit_cache", jit_cache]
+    run = mqar.Program.run
+    with monkeypatch.context() as m:
+        m.setattr(mqar.Program, "run", lambda self, stop=None: run(self, lambda p: p.step >= 12))
+        res = mqar.main(argv)
+    assert res["runs"] == {} and set(res["partial"]) == {"softmax/d16/mix1-2/lr0.03",
+                                                          "softmax/d16/mix1-2/lr0.0001"}
+    for r in res["partial"].values():
+        assert r["cut_at"] == r["steps"] == 12 and r["curve"]["step"] == [5, 10]
+        assert set(r["per_pairs"]) == {"1", "2"} and r["stopped_at"] is None
+    _, md = _outputs(tmp_path, "mqar_p")
+    assert "Cut by --time_budget" in md and "| softmax (mix) | 16 | 0.03 | 12 |" in md
+    res = mqar.main(argv)
+    assert res["partial"] == {} and len(res["runs"]) == 2
+    assert "Cut by" not in (tmp_path / "mqar_p.md").read_text()
+
+
 def test_loss_read_at_answer_positions_equals_the_full_loss(rng):
     """``positions`` (MQAR's answers, padded) give the same loss and eval sums as scoring every
     position under the mask, from logits at those positions only."""
