@@ -19,7 +19,10 @@ Kernels (``CASES``), compiled, not interpreted:
   with packed documents, ``ops.gated_deltanet(impl="pallas")`` (reference: the quadratic one);
 - ``loglinear_mamba2``, ``loglinear_gated_deltanet``: ``kernels.<name>_pallas`` (with packed
   documents: ``ops.<name>(impl="pallas", segment_ids=...)`` against the reference with each
-  document's own levels);
+  document's own levels; log-linear Mamba-2 from a state, ``state``:
+  ``ops.loglinear_mamba2(impl="pallas", initial_state=LevelState(H0, STATE_T0),
+  return_final_state=True)``, the kernels on the row composed with the state's reads, against
+  the float64 recurrence from the same state);
 - ``loglinear_mamba2_blocks``, ``loglinear_gated_deltanet_blocks``: ``ops.<name>(impl="chunked")``,
   the block forms (``ops.loglinear_blocks``, ``ops.loglinear_gdn_blocks``: XLA matmuls, no kernel
   of their own), GPU numerics checked the same way.
@@ -30,7 +33,8 @@ keeps its initial state's term), or per token with packed documents (``docs``: `
 with documents of ``DOCS`` tokens in turn, starting mid-chunk, in element 0, one document in the
 other; the reference is the operator with ``g = −∞`` at each document start, SPEC §8), or
 (``aligned``, delta rules) slow decays, β near 1 and keys around one direction, where the UT
-transform's ``(I + A)⁻¹`` is worst conditioned.
+transform's ``(I + A)⁻¹`` is worst conditioned, or (``state``) per token after a state whose
+rows are at positions ``STATE_T0``.
 Gradients of ``sum(o·w)`` (plus ``sum(h_T·w')`` for the final state) with respect to every
 differentiable input (q, k, v, g, the initial state, and β, λ where the operator has them).
 The reference runs in float64 (``jax.enable_x64``) on the same inputs:
@@ -59,6 +63,7 @@ import numpy as np
 from hla_jax import kernels, ops
 from hla_jax.kernels import wrap
 from hla_jax.ops import common, fenwick, reference
+from hla_jax.ops.ssm import LevelState
 
 HLA = ("hla2", "ahla", "hla3")
 LOGLINEAR = ("loglinear_mamba2", "loglinear_gated_deltanet")
@@ -68,6 +73,7 @@ WITH_LAM = LOGLINEAR + BLOCKS
 DELTA = ("gated_deltanet", "loglinear_gated_deltanet", "loglinear_gated_deltanet_blocks")
 RESETS = (64, 127, 500)  # positions of −∞ log-decays in a "reset" gate (chunk starts and ends)
 DOCS = (300, 1, 137, 64, 211)  # document lengths of a "docs" row, in turn
+STATE_T0 = (3000, 77)  # the rows' positions in a "state" case (3000: not aligned to 2^10)
 
 
 class Case(NamedTuple):
@@ -77,7 +83,7 @@ class Case(NamedTuple):
     H: int
     d: int
     dv: int
-    gate: str | None  # "token" | "head" | "reset" | "docs" | "aligned" (slow decay) | None
+    gate: str | None  # "token" | "head" | "reset" | "docs" | "aligned" (slow decay) | "state" | None
     normalize: bool
     dtype: str
     backend: str | None = None  # la_pallas's (None: its default)
@@ -103,6 +109,8 @@ CASES = [
       for B, T, gate, dt in ((2, 1000, "reset", "bfloat16"), (1, long, "token", "bfloat16"),
                              (2, 1000, "reset", "float32"))],  # the delta rule's oracle: O(T²d) memory
     *[Case(n, 1, 1000, 2, 128, 128, "aligned", False, "bfloat16") for n in DELTA],
+    *[Case("loglinear_mamba2", 2, 1000, 2, 128, 128, "state", False, dt)
+      for dt in ("bfloat16", "float32")],
 ]
 
 
@@ -140,8 +148,12 @@ def operands(rng, case):
         args.append(jnp.asarray(rng.uniform(lo, hi, (B, T, H)), jnp.float32))
         names.append("beta")
     if case.kernel in WITH_LAM:
-        args.append(jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, fenwick.num_levels(T))), jnp.float32))
+        L = fenwick.num_levels(T + (max(STATE_T0) if case.gate == "state" else 0))
+        args.append(jnp.asarray(rng.uniform(0.5, 1.5, (B, T, H, L)), jnp.float32))
         names.append("lam")
+    if case.gate == "state":
+        args.append(jnp.asarray(rng.normal(size=(L, B, H, d, dv)) / np.sqrt(d), jnp.float32))
+        names.append("h0")
     if case.kernel == "la_pallas" or (case.kernel == "gated_deltanet" and case.gate != "docs"):
         args.append(jnp.asarray(rng.normal(size=(B, H, d, dv)), jnp.float32))
         names.append("h0")
@@ -173,8 +185,20 @@ def segments(case):
     return jnp.asarray(ids)
 
 
+def from_state(impl):
+    """``f(q, k, v, g, lam, h0) -> (o, H_T)``: log-linear Mamba-2 from ``LevelState(h0,
+    STATE_T0)`` by ``impl``."""
+    def f(q, k, v, g, lam, h0):
+        o, st = ops.loglinear_mamba2(q, k, v, g, lam, impl=impl, initial_state=LevelState(
+            h0, jnp.asarray(STATE_T0, jnp.int32)), return_final_state=True)
+        return o, st.H
+    return f
+
+
 def kernel_fn(case):
     """The kernel under test as ``f(*args) -> tuple of outputs``."""
+    if case.gate == "state":
+        return from_state("pallas")
     seg = segments(case)
     if seg is not None:
         op = getattr(ops, case.kernel)
@@ -198,6 +222,8 @@ def kernel_fn(case):
 
 def reference_fn(case):
     """The quadratic reference as ``f(*args) -> tuple of outputs``."""
+    if case.gate == "state":
+        return from_state("recurrent")
     seg = segments(case)
     if seg is not None and case.kernel in LOGLINEAR:  # levels from each document's start
         return lambda *a: (getattr(reference, case.kernel)(*a, segment_ids=seg),)

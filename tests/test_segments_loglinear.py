@@ -191,7 +191,9 @@ def test_errors(rng):
     for arg, kw in [("return_final_state", {"return_final_state": True}),
                     ("initial_state", {"initial_state": loglinear.init_state(2, 2, 5, 3, 5)})]:
         with pytest.raises(ValueError, match=f"take no {arg}.*chunked"):
-            loglinear.loglinear_mamba2(q, k, v, g, lam, impl="pallas", **kw)
+            loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="pallas", **kw)
+        with pytest.raises(ValueError, match=f"segment_ids or {arg}, not both.*chunked"):
+            loglinear.loglinear_mamba2(q, k, v, g, lam, impl="pallas", segment_ids=seg, **kw)
     with pytest.raises(ValueError, match="take no initial_state.*chunked"):
         loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="pallas", segment_ids=seg,
                                            initial_state=loglinear.init_state(2, 2, 5, 3, 5))

@@ -13,9 +13,10 @@ code with the level split switched off (``lam=None``: one state, plain cost).
 Packed documents (SPEC §8, ``segment_ids: [B,T]`` int): every form equals the operator run on
 each document alone.  The transition of a document's first token is zero (``g = -inf``, so no
 state crosses a start) and the log-linear levels count from it,
-``ℓ(t,s) = bit_length((t−t0) XOR (s−t0))``.  States (``init_state``/``step``, and the recurrent
-and chunked forms' ``initial_state`` / final state): plain ``[B,H,d,dv]``; log-linear
-``LevelState(H: [L,B,H,d,dv], t: [B])``, the level states and each row's position.
+``ℓ(t,s) = bit_length((t−t0) XOR (s−t0))``.  States (``init_state``/``step``, and the recurrent,
+chunked and Pallas forms' ``initial_state`` / final state; not log-linear Gated DeltaNet's
+kernels): plain ``[B,H,d,dv]``; log-linear ``LevelState(H: [L,B,H,d,dv], t: [B])``, the level
+states and each row's position.
 
 Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g, beta: [B,T,H]``, ``lam: [B,T,H,L]`` with
 ``L ≥ fenwick.num_levels(T)``; outputs ``[B,T,H,dv]`` in the state dtype.  The algebra (token
@@ -24,6 +25,8 @@ in ``ops.loglinear_chunked``; this module holds the recurrent and scan forms and
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -154,8 +157,9 @@ def _reference(q, k, v, g, beta, lam, segment_ids):
 def check_state(initial_state, return_final_state, impl, seq_axis, B, H, d, dv, levels=None, *,
                 name):
     """``initial_state`` / ``return_final_state`` are taken by the recurrent, chunked and Pallas
-    forms (not under ``seq_axis``); ``initial_state`` must be ``init_state(B, H, d, dv, levels)``'s
-    layout: ``[B,H,d,dv]``, or ``LevelState`` with ``H: [levels,B,H,d,dv]``, ``t: [B]`` int."""
+    forms (not under ``seq_axis``; log-linear Gated DeltaNet's kernels refuse them in ``run``);
+    ``initial_state`` must be ``init_state(B, H, d, dv, levels)``'s layout: ``[B,H,d,dv]``, or
+    ``LevelState`` with ``H: [levels,B,H,d,dv]``, ``t: [B]`` int."""
     if not common.wants_state(initial_state, return_final_state, impl, seq_axis, name=name):
         return
     if initial_state is None:
@@ -195,8 +199,9 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``);
     ``segment_ids [B,T]``: packed documents (SPEC §8: the state is reset with ``g = -inf`` at
     each document start, and the log-linear levels count from it); ``initial_state`` /
-    ``return_final_state``: the recurrent, chunked and (plain) Pallas forms start from a state
-    in ``init_state``'s layout and return ``(o, final_state)``.
+    ``return_final_state``: the recurrent, chunked and Pallas forms (log-linear Gated
+    DeltaNet's kernels excepted) start from a state in ``init_state``'s layout and return
+    ``(o, final_state)``.
     """
     impl = common.check_impl(impl, IMPLS, name=name)
     if impl == "pallas" and name not in KERNELS:
@@ -219,8 +224,12 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
              if x is not None]
     refused = [a for a in given if a != "segment_ids"]
     if lam is not None and impl == "pallas" and refused:
-        raise ValueError(f"{name}: the log-linear Pallas kernels take no {refused[0]}; "
-                         f"impl='chunked' does")
+        if name != "loglinear_mamba2":
+            raise ValueError(f"{name}: the log-linear Gated DeltaNet kernels take no "
+                             f"{refused[0]}; impl='chunked' does")
+        if segment_ids is not None:
+            raise ValueError(f"{name}: impl='pallas' takes segment_ids or {refused[0]}, not both; "
+                             f"impl='chunked' takes both")
     # log-linear GDN on whole rows: the block form, faster than its kernels forward+backward
     # (38.9 against 65.6 ms at T=8192 on the H200, kernels_bench_loglinear_gdn_blocks)
     blocks_first = name == "loglinear_gated_deltanet" and segment_ids is None
@@ -231,12 +240,18 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     impl = "chunked" if impl == "auto" else impl
     if impl == "pallas":  # the kernels take g=None as no decay
         extra = [x for x in (beta, lam) if x is not None]
-        if lam is None:
-            state = dict(initial_state=initial_state, return_final_state=return_final_state)
-        else:  # the log-linear kernels take packed documents, no state
-            state = dict(segment_ids=segment_ids)
         g = common.reset_gate(g, segment_ids, B, T, H, q.dtype, seq_axis)
-        return common.pallas_entry(name)(q, k, v, g, *extra, chunk_size=chunk_size, **state)
+        entry = common.pallas_entry(name)
+        if lam is None:
+            return entry(q, k, v, g, *extra, chunk_size=chunk_size, initial_state=initial_state,
+                         return_final_state=return_final_state)
+        if refused:  # log-linear Mamba-2 with a state: the kernels on whole rows, composed
+            from hla_jax.kernels.loglinear import from_state
+
+            out = from_state(functools.partial(entry, chunk_size=chunk_size), q, k, v, g, lam,
+                             None if initial_state is None else cast_state(initial_state, jnp.float32))
+            return out if return_final_state else out[0]
+        return entry(q, k, v, g, *extra, chunk_size=chunk_size, segment_ids=segment_ids)
     g = common.gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)
     if impl == "reference":
         return _reference(q, k, v, g, beta, lam, segment_ids)
@@ -264,17 +279,19 @@ def loglinear_mamba2(q, k, v, g, lam, *, segment_ids=None, initial_state=None,
 
     ``segment_ids [B,T]`` int: packed documents (SPEC §8), each computed as if alone: the
     levels count from its first token, ``ℓ(t,s) = bit_length((t−t0) XOR (s−t0))``.
-    ``initial_state`` / ``return_final_state`` (recurrent, chunked): start from a
+    ``initial_state`` / ``return_final_state`` (recurrent, chunked, pallas): start from a
     ``LevelState(H: [L,B,H,d,dv], t: [B])`` (``init_state``/``step``'s layout; the row's first
     tokens continue its document at position ``t``) and return ``(o, final_state)`` (with
     ``segment_ids``: the last document's), so a prompt is prefilled in one parallel pass and
     decoding continues with ``step``.  ``impl="chunked"`` without those three (and without
     ``seq_axis``): the block form (``ops.loglinear_blocks``, no scan); with them: the counter
     form (``ops.loglinear_chunked``).  ``impl="pallas"``:
-    ``hla_jax.kernels.loglinear_mamba2_pallas`` (the block form's kernels; none of the three
-    arguments above but ``segment_ids``, which it runs on an aligned layout of up to ``2T``
-    tokens); "auto" takes it on a GPU for bf16 inputs without a state
-    (``common.pallas_preferred``), with ``segment_ids`` too, else "chunked".
+    ``hla_jax.kernels.loglinear_mamba2_pallas`` (the block form's kernels), with
+    ``segment_ids`` on an aligned layout of up to ``2T`` tokens, or with a state
+    (``kernels.loglinear.from_state``: the kernels on the row at its offset below ``2^K ≥ T``,
+    up to ``3T`` tokens, plus the state's reads and the final state in XLA), not both; "auto"
+    takes it on a GPU for bf16 inputs without a state (``common.pallas_preferred``), with
+    ``segment_ids`` too, else "chunked" (the state path has not run on a GPU yet).
     """
     return run("loglinear_mamba2", q, k, v, g, None, lam, impl=impl, chunk_size=chunk_size,
                log_levels=True, seq_axis=seq_axis, segment_ids=segment_ids,
