@@ -19,10 +19,9 @@ Kernels (``CASES``), compiled, not interpreted:
   with packed documents, ``ops.gated_deltanet(impl="pallas")`` (reference: the quadratic one);
 - ``loglinear_mamba2``, ``loglinear_gated_deltanet``: ``kernels.<name>_pallas`` (with packed
   documents: ``ops.<name>(impl="pallas", segment_ids=...)`` against the reference with each
-  document's own levels; log-linear Mamba-2 from a state, ``state``:
-  ``ops.loglinear_mamba2(impl="pallas", initial_state=LevelState(H0, STATE_T0),
-  return_final_state=True)``, the kernels on the row composed with the state's reads, against
-  the float64 recurrence from the same state);
+  document's own levels; from a state, ``state``: ``ops.<name>(impl="pallas",
+  initial_state=LevelState(H0, STATE_T0), return_final_state=True)``, the kernels on the row
+  composed with one first-order pass, against the float64 recurrence from the same state);
 - ``loglinear_mamba2_blocks``, ``loglinear_gated_deltanet_blocks``: ``ops.<name>(impl="chunked")``,
   the block forms (``ops.loglinear_blocks``, ``ops.loglinear_gdn_blocks``: XLA matmuls, no kernel
   of their own), GPU numerics checked the same way.
@@ -109,8 +108,8 @@ CASES = [
       for B, T, gate, dt in ((2, 1000, "reset", "bfloat16"), (1, long, "token", "bfloat16"),
                              (2, 1000, "reset", "float32"))],  # the delta rule's oracle: O(T²d) memory
     *[Case(n, 1, 1000, 2, 128, 128, "aligned", False, "bfloat16") for n in DELTA],
-    *[Case("loglinear_mamba2", 2, 1000, 2, 128, 128, "state", False, dt)
-      for dt in ("bfloat16", "float32")],
+    *[Case(n, 2, 1000, 2, 128, 128, "state", False, dt)
+      for n in LOGLINEAR for dt in ("bfloat16", "float32")],
 ]
 
 
@@ -185,12 +184,12 @@ def segments(case):
     return jnp.asarray(ids)
 
 
-def from_state(impl):
-    """``f(q, k, v, g, lam, h0) -> (o, H_T)``: log-linear Mamba-2 from ``LevelState(h0,
-    STATE_T0)`` by ``impl``."""
-    def f(q, k, v, g, lam, h0):
-        o, st = ops.loglinear_mamba2(q, k, v, g, lam, impl=impl, initial_state=LevelState(
-            h0, jnp.asarray(STATE_T0, jnp.int32)), return_final_state=True)
+def from_state(name, impl):
+    """``f(q, k, v, g, [beta,] lam, h0) -> (o, H_T)``: the log-linear operator ``name`` from
+    ``LevelState(h0, STATE_T0)`` by ``impl``."""
+    def f(*a):
+        o, st = getattr(ops, name)(*a[:-1], impl=impl, initial_state=LevelState(
+            a[-1], jnp.asarray(STATE_T0, jnp.int32)), return_final_state=True)
         return o, st.H
     return f
 
@@ -198,7 +197,7 @@ def from_state(impl):
 def kernel_fn(case):
     """The kernel under test as ``f(*args) -> tuple of outputs``."""
     if case.gate == "state":
-        return from_state("pallas")
+        return from_state(case.kernel, "pallas")
     seg = segments(case)
     if seg is not None:
         op = getattr(ops, case.kernel)
@@ -223,7 +222,7 @@ def kernel_fn(case):
 def reference_fn(case):
     """The quadratic reference as ``f(*args) -> tuple of outputs``."""
     if case.gate == "state":
-        return from_state("recurrent")
+        return from_state(case.kernel, "recurrent")
     seg = segments(case)
     if seg is not None and case.kernel in LOGLINEAR:  # levels from each document's start
         return lambda *a: (getattr(reference, case.kernel)(*a, segment_ids=seg),)

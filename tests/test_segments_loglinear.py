@@ -185,18 +185,54 @@ def test_step_continues_a_chunked_prefill(x64, rng, name):
         assert_close(o, want[:, t], 1e-10, f"t={t}")
 
 
+@pytest.mark.parametrize("name,t0,T", [
+    (LL_M2, (232, 0), 50),  # row 0 crosses 2^K = 64 with A = t0 >> K = 3 odd (true level 9,
+    (LL_GDN, (232, 0), 50),  # not 7); row 1 starts at position 0
+    (LL_M2, (250, 128), 1),  # one token; row 1 at an aligned position
+])
+def test_pallas_continues_a_state(rng, name, t0, T):
+    """``impl="pallas"`` with ``initial_state`` and ``return_final_state`` (the log-linear
+    kernels on the row, composed with one first-order pass for the state's reads and the final
+    state: ``kernels.loglinear.from_state``) equals the recurrence from the same state, rows at
+    different positions, a −∞ reset in the row: outputs, final state, and the gradients of
+    every input and the initial state (float32, the kernels in interpret mode)."""
+    L = fenwick.num_levels(300)
+    xs = list(_inputs(rng, T=T, d=16, dv=8, dtype=np.float32, levels=L))
+    xs[3] = xs[3].at[1, T // 2].set(-jnp.inf)
+    H0 = jnp.asarray(rng.normal(size=(L, 2, 2, 16, 8)), jnp.float32)
+    t = jnp.asarray(t0, jnp.int32)
+
+    def run(impl):
+        def f(*a):
+            o, st = OPS[name][0](*a[:-1], impl=impl, chunk_size=16,
+                                 initial_state=loglinear.LevelState(a[-1], t),
+                                 return_final_state=True)
+            assert np.array_equal(np.asarray(st.t), np.asarray(t) + T)
+            return o, st.H
+        return f
+
+    args = _args(name, xs) + (H0,)
+    got, want = run("pallas")(*args), run("recurrent")(*args)
+    for a, b, what in zip(got, want, ("o", "final H")):
+        assert_close(a, b, 2e-3, what)
+    wo, wh = (jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in want)
+    loss = lambda f: lambda *a: jnp.sum(f(*a)[0] * wo) + jnp.sum(f(*a)[1] * wh)
+    names = [n for n in ("q", "k", "v", "g", "beta", "lam") if n != "beta" or OPS[name][1]] + ["H0"]
+    for n, a, b in zip(names, jax.grad(loss(run("pallas")), range(len(args)))(*args),
+                       jax.grad(loss(run("recurrent")), range(len(args)))(*args)):
+        assert_close(a, b, 2e-3, "d" + n)
+
+
 def test_errors(rng):
     q, k, v, g, beta, lam = _inputs(rng, T=16, dtype=np.float32)
     seg = _segment_ids(((5, 11), (16,)))
     for arg, kw in [("return_final_state", {"return_final_state": True}),
                     ("initial_state", {"initial_state": loglinear.init_state(2, 2, 5, 3, 5)})]:
-        with pytest.raises(ValueError, match=f"take no {arg}.*chunked"):
-            loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="pallas", **kw)
+        with pytest.raises(ValueError, match=f"segment_ids or {arg}, not both.*chunked"):
+            loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="pallas",
+                                               segment_ids=seg, **kw)
         with pytest.raises(ValueError, match=f"segment_ids or {arg}, not both.*chunked"):
             loglinear.loglinear_mamba2(q, k, v, g, lam, impl="pallas", segment_ids=seg, **kw)
-    with pytest.raises(ValueError, match="take no initial_state.*chunked"):
-        loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="pallas", segment_ids=seg,
-                                           initial_state=loglinear.init_state(2, 2, 5, 3, 5))
     with pytest.raises(ValueError, match="segment_ids must be an integer array"):
         loglinear.gated_deltanet(q, k, v, g, beta, segment_ids=seg[:, :8])
     with pytest.raises(ValueError, match="LevelState"):

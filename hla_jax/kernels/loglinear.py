@@ -21,9 +21,9 @@ exact, its autodiff carries ``dlw`` into ``dg`` and ``dλ``).  Kernels (``kernel
 O(T·c·d + T·d·dv·log(T/c)) work, every state in HBM once per level (``N`` states of ``d×dv`` in
 all, in the input dtype).  Packed documents (``segment_ids``) run on a buffer of ``2T`` tokens in
 which each document starts on an aligned block of its own (``packed``; checked on the H200); a
-row that continues a ``LevelState`` runs at its offset on a buffer of up to ``3T`` tokens, its
-reads of the state and the final state in XLA (``from_state``, used by
-``ops.loglinear_mamba2(impl="pallas", initial_state=…)``; interpret mode only so far).
+row that continues a ``LevelState`` runs at its offset on a buffer of up to ``3T`` tokens, and
+one first-order pass reads the state and forms the final state (``from_state``, for both
+log-linear operators: ``ops.<op>(impl="pallas", initial_state=…)``; interpret mode only so far).
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
 path (Triton lowering) is checked on an H200 in bf16 and float32
 (``experiments/check_kernels_gpu.py``; float32 at ``d >= 128`` with tiles of 32,
@@ -129,32 +129,60 @@ def packed(entry, q, k, v, g, extras, lam, segment_ids, **kw):
     return jnp.take_along_axis(o, dest[:, :, None, None], axis=1)
 
 
-def from_state(entry, q, k, v, g, lam, state, **kw):
-    """Log-linear Mamba-2 continuing ``state = LevelState(H0 [L,B,H,d,dv], t0 [B])`` through
-    ``entry(q, k, v, g, lam, **kw)``, which computes whole rows with positions from 0; returns
-    ``(o [B,T,H,dv] float32, the LevelState after the row)``.  Token ``i`` is at position
-    ``P_i = t0 + i``; ``o`` is the row's own pairs (``_row_pairs``) plus the state's keys
-    (``_state_reads``), and the final state is ``_final_state``.  Requires
-    ``t0 + T ≤ 2^(L−1)``, as the counter does.  ``state=None``: zeros at position 0 (``entry``
-    on the row itself, and its final state)."""
-    B, T, H, _ = q.shape
+def from_state(entry, first_order, q, k, v, g, extras, lam, state, **kw):
+    """A log-linear operator continuing ``state = LevelState(H0 [L,B,H,d,dv], t0 [B])``: returns
+    ``(o [B,T,H,dv] float32, the LevelState after the row)``; token ``i`` is at ``P_i = t0 + i``.
+
+    ``entry(q, k, v, g, *extras, lam, **kw)`` computes whole rows with positions from 0 (a
+    log-linear kernel), ``first_order(q, k, v, g, *extras, initial_state, return_final_state=True)``
+    the operator without levels (``ops.mamba2``, ``ops.gated_deltanet``); ``extras``: per-token
+    ``[B,T,H]`` inputs (Gated DeltaNet's β).  ``o`` is the row's own pairs (``_row_pairs``) plus
+    the state's keys: ``carry(H0, t0)`` holds them at levels ℓ of ``t0``, so at
+    ``max(ℓ, bit_length(P_i XOR t0))`` of ``P_i`` (``fenwick.levels_at``).  One ``first_order``
+    pass over the row, its values ``[0 | v by level]`` (``2L·dv`` columns) from the state
+    ``[carry(H0) | 0]``, gives both what the state's levels read (``q_iᵀ A_i⋯A_0 H[ℓ]``, the
+    outputs of the first ``L·dv`` columns, then weighted by λ) and the final state: those
+    levels carried through the row and collapsed to the levels of ``e = P_{T−1}``, plus the
+    row's keys at theirs, ``bit_length(e XOR P_i)``.  Requires ``t0 + T ≤ 2^(L−1)``, as the
+    counter does.  ``state=None``: zeros at position 0 (``entry`` on the row itself)."""
+    B, T, H, d = q.shape
+    dv, L = v.shape[-1], lam.shape[-1]
     g = jnp.broadcast_to(g, (B, T, H)).astype(jnp.float32)
     if state is None:
-        zero = jnp.zeros((B,), jnp.int32)
-        return entry(q, k, v, g, lam, **kw), _final_state(k, v, g, None, zero, lam.shape[-1])
-    H0, t0 = state
-    t0 = jnp.asarray(t0, jnp.int32)
-    Hc = fenwick.carry(H0.astype(jnp.float32), t0)  # the state's keys at the levels of t0
-    o = _row_pairs(entry, q, k, v, g, lam, t0, **kw) + _state_reads(q, g, lam, Hc, t0)
-    return o, _final_state(k, v, g, Hc, t0, lam.shape[-1])
+        t0, Hc = jnp.zeros((B,), jnp.int32), None
+        o = entry(q, k, v, g, *extras, lam, **kw)
+    else:
+        t0 = jnp.asarray(state.t, jnp.int32)
+        Hc = fenwick.carry(jnp.asarray(state.H, jnp.float32), t0)
+        o = _row_pairs(entry, q, k, v, g, extras, lam, t0, **kw)
+    pos = t0[:, None] + jnp.arange(T, dtype=jnp.int32)
+    e = pos[:, -1]
+    by_level = fenwick.level(e[:, None], pos)[:, :, None, None, None] == jnp.arange(L)[:, None]
+    values = jnp.where(by_level, v[:, :, :, None, :], 0).reshape(B, T, H, L * dv)
+    start = jnp.zeros((B, H, d, L * dv), jnp.float32)
+    if Hc is not None:
+        values = jnp.concatenate([jnp.zeros_like(values), values], -1)
+        start = jnp.concatenate([jnp.moveaxis(Hc, 0, 3).reshape(B, H, d, L * dv), start], -1)
+    reads, end = first_order(q, k, values.astype(v.dtype), g, *extras, initial_state=start,
+                             return_final_state=True)
+    end = jnp.moveaxis(end.reshape(B, H, d, -1, dv), 3, 0)          # [L or 2L, B,H,d,dv]
+    H_T = end[-L:]
+    if Hc is not None:
+        lev = jnp.broadcast_to(fenwick.levels_at(L, pos, t0[:, None])[:, :, None, :], (B, T, H, L))
+        w = jnp.take_along_axis(lam.astype(jnp.float32), lev, axis=-1)
+        o = o + jnp.einsum("bthl,bthlv->bthv", w,
+                           reads[..., :L * dv].astype(jnp.float32).reshape(B, T, H, L, dv))
+        H_T = H_T + fenwick.collapse(end[:L], fenwick.bit_length(e ^ t0))
+    return o, LevelState(H_T, t0 + T)
 
 
-def _row_pairs(entry, q, k, v, g, lam, t0, **kw):
+def _row_pairs(entry, q, k, v, g, extras, lam, t0, **kw):
     """The row's own pairs at levels ``bit_length(P_i XOR P_j)``: ``entry`` on a buffer where
-    token ``i`` sits at ``p + i``, ``p = t0 mod 2^K``, ``2^K ≥ T``.  The buffer's levels are the
-    true ones except for the pairs across ``2^K``, whose true level is ``K + bit_length(A XOR
-    (A+1))``, ``A = t0 >> K``, not ``K + 1``; no other pair is at ``K + 1``, so the tokens past
-    ``2^K`` take λ of the true level there."""
+    token ``i`` sits at ``p + i``, ``p = t0 mod 2^K``, ``2^K ≥ T`` (zeros elsewhere: no key, an
+    identity transition).  The buffer's levels are the true ones except for the pairs across
+    ``2^K``, whose true level is ``K + bit_length(A XOR (A+1))``, ``A = t0 >> K``, not
+    ``K + 1``; no other pair is at ``K + 1``, so the tokens past ``2^K`` take λ of the true
+    level there."""
     B, T, H, _ = q.shape
     K = int(fenwick.bit_length(T - 1))
     half, L = 1 << K, lam.shape[-1]
@@ -169,44 +197,8 @@ def _row_pairs(entry, q, k, v, g, lam, t0, **kw):
         return jax.vmap(lambda d, x: jnp.zeros((half + T - 1,) + x.shape[1:], x.dtype).at[d].set(x))(
             dest, x)
 
-    o = entry(*(spread(x) for x in (q, k, v, g, lam_b)), **kw)
+    o = entry(*(spread(x) for x in (q, k, v, g, *extras, lam_b)), **kw)
     return jnp.take_along_axis(o, dest[:, :, None, None], axis=1)
-
-
-def _precision(x):
-    return None if x.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
-
-
-def _state_reads(q, g, lam, Hc, t0):
-    """``Σ_ℓ λ_i^{max(ℓ, bit_length(P_i XOR t0))} D(P_i, t0−1) q_iᵀ Hc[ℓ]``: ``Hc[ℓ]`` holds the
-    keys at level ℓ of ``t0`` (``fenwick.levels_at``), ``D(P_i, t0−1) = exp(Σ_{r≤i} g_r)``."""
-    B, T, H, _ = q.shape
-    L = lam.shape[-1]
-    pos = t0[:, None] + jnp.arange(T, dtype=jnp.int32)
-    lev = jnp.broadcast_to(fenwick.levels_at(L, pos, t0[:, None])[:, :, None, :], (B, T, H, L))
-    w = jnp.take_along_axis(lam.astype(jnp.float32), lev, axis=-1) * jnp.exp(
-        jnp.cumsum(g, axis=1))[..., None]
-    return jnp.einsum("bthl,bthd,lbhdv->bthv", w, q.astype(jnp.float32), Hc,
-                      precision=_precision(q))
-
-
-def _final_state(k, v, g, Hc, t0, L):
-    """The LevelState after the row, at the levels of its last token ``e = t0 + T − 1``: the
-    state's keys ``Hc`` (None: none) collapsed to ``max(ℓ, bit_length(e XOR t0))`` and decayed
-    through the row, plus ``Σ_i D(e, P_i) k_i v_iᵀ`` at level ``bit_length(e XOR P_i)``
-    (``D(e, P_i) = exp(Σ_{r>i} g_r)``, sums of gates only, so −∞ stays exact)."""
-    T = k.shape[1]
-    pos = t0[:, None] + jnp.arange(T, dtype=jnp.int32)
-    e = pos[:, -1]
-    upto = jnp.flip(jnp.cumsum(jnp.flip(g, 1), axis=1), 1)               # Σ_{r≥i} g_r
-    after = jnp.concatenate([upto[:, 1:], jnp.zeros_like(upto[:, :1])], 1)
-    onehot = (fenwick.level(e[:, None], pos)[..., None] == jnp.arange(L)).astype(jnp.float32)
-    H_T = jnp.einsum("btl,bth,bthd,bthv->lbhdv", onehot, jnp.exp(after), k.astype(jnp.float32),
-                     v.astype(jnp.float32), precision=_precision(k))
-    if Hc is not None:
-        H_T = H_T + jnp.exp(upto[:, 0])[None, ..., None, None] * fenwick.collapse(
-            Hc, fenwick.bit_length(e ^ t0))
-    return LevelState(H_T, t0 + T)
 
 
 def loglinear_mamba2_pallas(q, k, v, g, lam, *, segment_ids=None, chunk_size=64, interpret=None,

@@ -14,9 +14,8 @@ Packed documents (SPEC §8, ``segment_ids: [B,T]`` int): every form equals the o
 each document alone.  The transition of a document's first token is zero (``g = -inf``, so no
 state crosses a start) and the log-linear levels count from it,
 ``ℓ(t,s) = bit_length((t−t0) XOR (s−t0))``.  States (``init_state``/``step``, and the recurrent,
-chunked and Pallas forms' ``initial_state`` / final state; not log-linear Gated DeltaNet's
-kernels): plain ``[B,H,d,dv]``; log-linear ``LevelState(H: [L,B,H,d,dv], t: [B])``, the level
-states and each row's position.
+chunked and Pallas forms' ``initial_state`` / final state): plain ``[B,H,d,dv]``; log-linear
+``LevelState(H: [L,B,H,d,dv], t: [B])``, the level states and each row's position.
 
 Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g, beta: [B,T,H]``, ``lam: [B,T,H,L]`` with
 ``L ≥ fenwick.num_levels(T)``; outputs ``[B,T,H,dv]`` in the state dtype.  The algebra (token
@@ -157,7 +156,7 @@ def _reference(q, k, v, g, beta, lam, segment_ids):
 def check_state(initial_state, return_final_state, impl, seq_axis, B, H, d, dv, levels=None, *,
                 name):
     """``initial_state`` / ``return_final_state`` are taken by the recurrent, chunked and Pallas
-    forms (not under ``seq_axis``; log-linear Gated DeltaNet's kernels refuse them in ``run``);
+    forms (not under ``seq_axis``; the log-linear kernels not with ``segment_ids`` too);
     ``initial_state`` must be ``init_state(B, H, d, dv, levels)``'s layout: ``[B,H,d,dv]``, or
     ``LevelState`` with ``H: [levels,B,H,d,dv]``, ``t: [B]`` int."""
     if not common.wants_state(initial_state, return_final_state, impl, seq_axis, name=name):
@@ -199,9 +198,10 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``);
     ``segment_ids [B,T]``: packed documents (SPEC §8: the state is reset with ``g = -inf`` at
     each document start, and the log-linear levels count from it); ``initial_state`` /
-    ``return_final_state``: the recurrent, chunked and Pallas forms (log-linear Gated
-    DeltaNet's kernels excepted) start from a state in ``init_state``'s layout and return
-    ``(o, final_state)``.
+    ``return_final_state``: the recurrent, chunked and Pallas forms start from a state in
+    ``init_state``'s layout and return ``(o, final_state)`` (the log-linear kernels through
+    ``kernels.loglinear.from_state``: the kernels on the row, one first-order pass for the
+    state).
     """
     impl = common.check_impl(impl, IMPLS, name=name)
     if impl == "pallas" and name not in KERNELS:
@@ -223,13 +223,9 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
                                 ("return_final_state", return_final_state or None))
              if x is not None]
     refused = [a for a in given if a != "segment_ids"]
-    if lam is not None and impl == "pallas" and refused:
-        if name != "loglinear_mamba2":
-            raise ValueError(f"{name}: the log-linear Gated DeltaNet kernels take no "
-                             f"{refused[0]}; impl='chunked' does")
-        if segment_ids is not None:
-            raise ValueError(f"{name}: impl='pallas' takes segment_ids or {refused[0]}, not both; "
-                             f"impl='chunked' takes both")
+    if lam is not None and impl == "pallas" and refused and segment_ids is not None:
+        raise ValueError(f"{name}: impl='pallas' takes segment_ids or {refused[0]}, not both; "
+                         f"impl='chunked' takes both")
     # log-linear GDN on whole rows: the block form, faster than its kernels forward+backward
     # (38.9 against 65.6 ms at T=8192 on the H200, kernels_bench_loglinear_gdn_blocks)
     blocks_first = name == "loglinear_gated_deltanet" and segment_ids is None
@@ -245,10 +241,13 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
         if lam is None:
             return entry(q, k, v, g, *extra, chunk_size=chunk_size, initial_state=initial_state,
                          return_final_state=return_final_state)
-        if refused:  # log-linear Mamba-2 with a state: the kernels on whole rows, composed
+        if refused:  # a state: the kernels on the row, composed with one first-order pass
             from hla_jax.kernels.loglinear import from_state
 
-            out = from_state(functools.partial(entry, chunk_size=chunk_size), q, k, v, g, lam,
+            plain = functools.partial(run, "mamba2" if beta is None else "gated_deltanet",
+                                      chunk_size=chunk_size)
+            out = from_state(functools.partial(entry, chunk_size=chunk_size), plain,
+                             q, k, v, g, extra[:-1], lam,
                              None if initial_state is None else cast_state(initial_state, jnp.float32))
             return out if return_final_state else out[0]
         return entry(q, k, v, g, *extra, chunk_size=chunk_size, segment_ids=segment_ids)
@@ -289,7 +288,8 @@ def loglinear_mamba2(q, k, v, g, lam, *, segment_ids=None, initial_state=None,
     ``hla_jax.kernels.loglinear_mamba2_pallas`` (the block form's kernels), with
     ``segment_ids`` on an aligned layout of up to ``2T`` tokens, or with a state
     (``kernels.loglinear.from_state``: the kernels on the row at its offset below ``2^K ≥ T``,
-    up to ``3T`` tokens, plus the state's reads and the final state in XLA), not both; "auto"
+    up to ``3T`` tokens, and one ``mamba2`` pass with ``2L·dv`` value columns for the state's
+    reads and the final state), not both; "auto"
     takes it on a GPU for bf16 inputs without a state (``common.pallas_preferred``), with
     ``segment_ids`` too, else "chunked" (the state path has not run on a GPU yet).
     """
@@ -321,8 +321,9 @@ def loglinear_gated_deltanet(q, k, v, g, beta, lam, *, segment_ids=None, initial
     ``segment_ids``, ``initial_state`` (``LevelState``), ``return_final_state`` as for
     ``loglinear_mamba2``; ``impl="pallas"``:
     ``hla_jax.kernels.loglinear_gated_deltanet_pallas`` (``segment_ids`` on the same aligned
-    layout, no state); "auto" takes it on a GPU for bf16 inputs with ``segment_ids`` and no
-    state, else "chunked" (whole rows: the block form, faster forward+backward than the
+    layout, or a state as for ``loglinear_mamba2``, the first-order pass a ``gated_deltanet``
+    one); "auto" takes it on a GPU for bf16 inputs with ``segment_ids`` and no state, else
+    "chunked" (whole rows: the block form, faster forward+backward than the
     kernels on the H200).  ``impl="chunked"``
     without those three (and without ``seq_axis``): the block form
     (``ops.loglinear_gdn_blocks``: an up-sweep of chunk transitions and a running query per
