@@ -23,7 +23,10 @@ Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
   log-linear Gated DeltaNet's kernel and block form (``loglinear_gdn_pallas``,
   ``loglinear_gdn_blocks``: ``impl="chunked"``, ``ops.loglinear_gdn_blocks``) and the wheel's plain-JAX
   ``jla_log_linear_simple_gla``, which runs out of memory at B·T = 65536, so it and a twin row of
-  our kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384 (``SMALL_TOKENS``).
+  our kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384 (``SMALL_TOKENS``); and the
+  two log-linear operators continuing a state at position ``T`` (``loglinear_mamba2_state_pallas``,
+  ``loglinear_gdn_state_pallas``: the kernels composed by ``kernels.loglinear.from_state``;
+  ``…_state_chunked``: the counter form ``impl="auto"`` takes for states).
 
 The default ``--methods`` (``DEFAULT_METHODS``) are the ones ``TARGETS`` compare plus the XLA rows.
 A method whose import fails (``jla`` not installed) is reported unavailable and skipped. The targets
@@ -171,6 +174,22 @@ def _jla_level_scales(q, g, beta, lam):
     return dict(g=g, level_scales=scales)
 
 
+def _from_state(name, impl):
+    """``ops.<name>(…, impl=impl)`` continuing a ``LevelState`` at position ``T`` (a prompt of
+    ``T`` tokens before the row: λ gets the one more level that ``2T`` needs), returning the
+    output plus the final state's mean (so the backward goes through both)."""
+    def fn(q, k, v, g, beta, lam):
+        B, T, H, d = q.shape
+        lam = jnp.pad(lam, ((0, 0),) * 3 + ((0, 1),), constant_values=1.0)
+        H0 = jnp.full((lam.shape[-1], B, H, d, v.shape[-1]), 0.01, jnp.float32)
+        state = ops.loglinear_family.LevelState(H0, jnp.full((B,), T, jnp.int32))
+        extra = (beta,) if name == "loglinear_gated_deltanet" else ()
+        o, st = getattr(ops, name)(q, k, v, g, *extra, lam, impl=impl, initial_state=state,
+                                   return_final_state=True)
+        return o + jnp.mean(st.H)
+    return _ready(fn)
+
+
 def methods(loglinear_kw=None):
     """``{name: make}``: ``make()`` imports what the method needs (ImportError or AttributeError:
     unavailable here) and returns its ``fn(q, k, v, g, beta, lam)``; ``loglinear_kw``: settings
@@ -198,6 +217,10 @@ def methods(loglinear_kw=None):
         "loglinear_gdn_blocks": _ready(lambda q, k, v, g, beta, lam: ops.loglinear_gated_deltanet(
             q, k, v, g, beta, lam, impl="chunked")),
         "jla_log_linear_simple_gla": _jla("log_linear_simple_gla", "chunked", _jla_level_scales),
+        **{f"{short}_state_{impl}": _from_state(name, impl)
+           for short, name in (("loglinear_mamba2", "loglinear_mamba2"),
+                               ("loglinear_gdn", "loglinear_gated_deltanet"))
+           for impl in ("pallas", "chunked")},
     }
 
 

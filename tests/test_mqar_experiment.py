@@ -208,28 +208,6 @@ def test_mqar_merge_pools_the_shards_mixers(tmp_path):
     assert "| hla2 | 50.0 | – |" in md and "| softmax | 75.0 | ≥99.0 |" in md
 
 
-def test_mqar_cut_runs_keep_their_last_eval(tmp_path, monkeypatch, jit_cache):
-    """A call cut by its budget after an eval records each model still training under
-    ``partial`` (its last eval and ``cut_at``; the Markdown lists them apart from the tables),
-    so a lost checkpoint loses no result; the call that finishes them replaces those entries."""
-    argv = TINY + ["--mixers", "softmax", "--mixture", "--target", "0", "--tag", "p",
-                   "--out", str(tmp_path), "--jit_cache", jit_cache]
-    run = mqar.Program.run
-    with monkeypatch.context() as m:
-        m.setattr(mqar.Program, "run", lambda self, stop=None: run(self, lambda p: p.step >= 12))
-        res = mqar.main(argv)
-    assert res["runs"] == {} and set(res["partial"]) == {"softmax/d16/mix1-2/lr0.03",
-                                                          "softmax/d16/mix1-2/lr0.0001"}
-    for r in res["partial"].values():
-        assert r["cut_at"] == r["steps"] == 12 and r["curve"]["step"] == [5, 10]
-        assert set(r["per_pairs"]) == {"1", "2"} and r["stopped_at"] is None
-    _, md = _outputs(tmp_path, "mqar_p")
-    assert "Cut by --time_budget" in md and "| softmax (mix) | 16 | 0.03 | 12 |" in md
-    res = mqar.main(argv)
-    assert res["partial"] == {} and len(res["runs"]) == 2
-    assert "Cut by" not in (tmp_path / "mqar_p.md").read_text()
-
-
 def test_loss_read_at_answer_positions_equals_the_full_loss(rng):
     """``positions`` (MQAR's answers, padded) give the same loss and eval sums as scoring every
     position under the mask, from logits at those positions only."""
@@ -365,12 +343,27 @@ def test_mqar_sweep_compacts(tmp_path, free, jit_cache):
             assert_close(r["loss"], ref[k]["loss"], 1e-4, f"{k} loss")
 
 
-def test_mqar_mixture_sweep(tmp_path, jit_cache):
+def test_mqar_mixture_sweep(tmp_path, monkeypatch, jit_cache):
     """``--mixture``: one model per lr on batches of both pair counts, run keys of their own,
-    eval per count (the run's accuracy their mean), a ``(mix)`` table row; ``--group 1``."""
-    res = mqar.main(TINY + ["--mixers", "softmax", "--mixture", "--group", "1", "--tag", "mix",
-                            "--out", str(tmp_path), "--jit_cache", jit_cache])
+    eval per count (the run's accuracy their mean), a ``(mix)`` table row; ``--group 1``.  The
+    first call is cut by its budget after an eval: the model still training is recorded under
+    ``partial`` (its last eval and ``cut_at``; the Markdown lists it apart from the tables), so
+    a lost checkpoint loses no result, and the call that finishes it replaces that entry."""
+    argv = TINY + ["--mixers", "softmax", "--mixture", "--group", "1", "--tag", "mix",
+                   "--out", str(tmp_path), "--jit_cache", jit_cache]
+    run = mqar.Program.run
+    with monkeypatch.context() as m:
+        m.setattr(mqar.Program, "run", lambda self, stop=None: run(self, lambda p: p.step >= 12))
+        cut = mqar.main(argv)
+    assert cut["runs"] == {} and list(cut["partial"]) == ["softmax/d16/mix1-2/lr0.03"]
+    part = cut["partial"]["softmax/d16/mix1-2/lr0.03"]
+    assert part["cut_at"] == part["steps"] == 12 and part["curve"]["step"] == [5, 10]
+    assert set(part["per_pairs"]) == {"1", "2"} and part["stopped_at"] is None
     _, md = _outputs(tmp_path, "mqar_mix")
+    assert "Cut by --time_budget" in md and "| softmax (mix) | 16 | 0.03 | 12 |" in md
+    res = mqar.main(argv)
+    _, md = _outputs(tmp_path, "mqar_mix")
+    assert res["partial"] == {} and "Cut by" not in md
     assert set(res["runs"]) == {"softmax/d16/mix1-2/lr0.03", "softmax/d16/mix1-2/lr0.0001"}
     assert set(res["cells"]) == {"softmax/d16/mix/1of2", "softmax/d16/mix/2of2"}
     for r in res["runs"].values():
