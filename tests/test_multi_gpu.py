@@ -16,7 +16,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
 LM = ["--T", "256", "--chunk", "16", "--steps", "3", "--d_model", "32", "--head_dim", "16",
-      "--layers", "2"]
+      "--layers", "1"]
 TINY = {
     "ops": ["--T", "256", "--chunk", "16", "--H", "2", "--d", "16", "--dtype", "float32",
             "--repeats", "2"],
