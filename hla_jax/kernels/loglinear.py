@@ -119,13 +119,18 @@ def packed(entry, q, k, v, g, extras, lam, segment_ids, **kw):
     ``extras``: per-token ``[B,T,H]`` inputs (Gated DeltaNet's ``beta``)."""
     dest, Tb = aligned_layout(segment_ids)
     g = jnp.where(doc_positions(segment_ids)[..., None] == 0, -jnp.inf, g)
+    L = fenwick.num_levels(Tb)
+    lam = jnp.pad(lam, ((0, 0),) * 3 + ((0, max(0, L - lam.shape[-1])),))
+    return on_buffer(entry, (q, k, v, g, *extras, lam), dest, Tb, **kw)
 
+
+def on_buffer(entry, xs, dest, Tb: int, **kw):
+    """``entry(*xs', **kw)`` with each ``[B,T,…]`` input placed at ``dest [B,T]`` in a buffer of
+    ``Tb`` zeros (no key, an identity transition), its output gathered back to ``[B,T,…]``."""
     def spread(x):
         return jax.vmap(lambda d, x: jnp.zeros((Tb,) + x.shape[1:], x.dtype).at[d].set(x))(dest, x)
 
-    L = fenwick.num_levels(Tb)
-    lam = jnp.pad(lam, ((0, 0),) * 3 + ((0, max(0, L - lam.shape[-1])),))
-    o = entry(*(spread(x) for x in (q, k, v, g, *extras, lam)), **kw)
+    o = entry(*(spread(x) for x in xs), **kw)
     return jnp.take_along_axis(o, dest[:, :, None, None], axis=1)
 
 
@@ -192,13 +197,7 @@ def _row_pairs(entry, q, k, v, g, extras, lam, t0, **kw):
     true = jnp.take_along_axis(lam_b, jnp.broadcast_to(
         jnp.minimum(across, L - 1)[:, None, None, None], (B, T, H, 1)), axis=-1)[..., 0]
     lam_b = lam_b.at[..., K + 1].set(jnp.where((dest >= half)[..., None], true, lam_b[..., K + 1]))
-
-    def spread(x):
-        return jax.vmap(lambda d, x: jnp.zeros((half + T - 1,) + x.shape[1:], x.dtype).at[d].set(x))(
-            dest, x)
-
-    o = entry(*(spread(x) for x in (q, k, v, g, *extras, lam_b)), **kw)
-    return jnp.take_along_axis(o, dest[:, :, None, None], axis=1)
+    return on_buffer(entry, (q, k, v, g, *extras, lam_b), dest, half + T - 1, **kw)
 
 
 def loglinear_mamba2_pallas(q, k, v, g, lam, *, segment_ids=None, chunk_size=64, interpret=None,

@@ -222,14 +222,14 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     given = [arg for arg, x in (("segment_ids", segment_ids), ("initial_state", initial_state),
                                 ("return_final_state", return_final_state or None))
              if x is not None]
-    refused = [a for a in given if a != "segment_ids"]
-    if lam is not None and impl == "pallas" and refused and segment_ids is not None:
-        raise ValueError(f"{name}: impl='pallas' takes segment_ids or {refused[0]}, not both; "
+    state_args = [a for a in given if a != "segment_ids"]
+    if lam is not None and impl == "pallas" and state_args and segment_ids is not None:
+        raise ValueError(f"{name}: impl='pallas' takes segment_ids or {state_args[0]}, not both; "
                          f"impl='chunked' takes both")
     # log-linear GDN on whole rows: the block form, faster than its kernels forward+backward
     # (38.9 against 65.6 ms at T=8192 on the H200, kernels_bench_loglinear_gdn_blocks)
     blocks_first = name == "loglinear_gated_deltanet" and segment_ids is None
-    if (impl == "auto" and name in KERNELS and not (lam is not None and refused) and not blocks_first
+    if (impl == "auto" and name in KERNELS and not (lam is not None and state_args) and not blocks_first
             and common.pallas_preferred(seq_axis, chunk_size, q, k, v)
             and _kernel_takes(name, q, k, v, chunk_size)):
         impl = "pallas"
@@ -241,7 +241,7 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
         if lam is None:
             return entry(q, k, v, g, *extra, chunk_size=chunk_size, initial_state=initial_state,
                          return_final_state=return_final_state)
-        if refused:  # a state: the kernels on the row, composed with one first-order pass
+        if state_args:  # a state: the kernels on the row, composed with one first-order pass
             from hla_jax.kernels.loglinear import from_state
 
             plain = functools.partial(run, "mamba2" if beta is None else "gated_deltanet",
