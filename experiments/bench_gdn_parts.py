@@ -1,7 +1,8 @@
 """Where the Gated DeltaNet kernel's time goes, on a Hopper GPU: the UT transform
 (``kernels/gpu/gdn_ut.py``, forward and backward), each Mosaic GPU walk
 (``kernels/gpu/gdn_mgpu.py``: ``out`` forward, ``rev`` and ``dq`` backward), the whole
-``kernels.gdn.core`` forward and backward, and what is left for XLA's glue, median ms.
+``kernels.gdn.core`` forward and backward, and what is left for XLA's glue, median ms;
+``ut_fwd_cb32`` times the UT forward on row blocks of 32 tokens instead of 16.
 
     python experiments/bench_gdn_parts.py [--T 8192] [--tokens 65536] [--name bench_gdn_parts_gpu]
                                           [--out DIR]
@@ -15,6 +16,7 @@ walk_dq − ut_bwd``.  The Mosaic GPU walks run compiled only (sm_90).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -42,7 +44,7 @@ def main(argv=None):
     h0 = jnp.zeros((B, q.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
     walk = {m: jax.jit(lambda b2, *x, m=m: gdn_mgpu.walk(b2, h0, x, mode=m))
             for m in gdn_mgpu.TILES}
-    w16, u16 = gdn_ut.forward(k, v, b, beta)
+    w16, u16, x = gdn_ut.forward(k, v, b, beta)
     _, vn, _ = walk["out"](b2, q, k, w16, u16)
     du = walk["rev"](b2, q, k, w16, w, vn)[0].astype(q.dtype)   # w: a bf16 stand-in for dO
     args = (q, k, v, beta_t.astype(jnp.float32), g, h0)
@@ -51,7 +53,8 @@ def main(argv=None):
     bwd = jax.jit(lambda res, cts: gdn._core_bwd(False, res, cts))
     row = dict(device=jax.devices()[0].device_kind, B=B, T=T,
                ut_fwd=timeit(gdn_ut.forward, k, v, b, beta),
-               ut_bwd=timeit(gdn_ut.backward, k, v, b, beta, w16.astype(jnp.float32), du),
+               ut_fwd_cb32=timeit(functools.partial(gdn_ut.forward, cb=32), k, v, b, beta),
+               ut_bwd=timeit(gdn_ut.backward, k, v, b, beta, x, w16[None].astype(jnp.float32), du),
                walk_out=timeit(walk["out"], b2, q, k, w16, u16),
                walk_rev=timeit(walk["rev"], b2, q, k, w16, w, vn),
                walk_dq=timeit(walk["dq"], b2, k, vn, w, du, q),

@@ -39,7 +39,7 @@ def oracle(q, k, v, g, beta, h0):
 
 
 @pytest.mark.parametrize("B,T,H,d,dv,case", [
-    (1, 150, 2, 64, 96, "plain"),  # three chunks (the last ragged), values padded to two tiles
+    (1, 150, 2, 64, 160, "plain"),  # three chunks (the last ragged), values padded to three tiles
     (2, 128, 1, 128, 64, "reset"),  # head dim 128, a −∞ gate mid-chunk and at a chunk start
     (1, 128, 1, 64, 64, "aligned"),  # keys near one direction, β ≈ 1, slow decay: the UT
 ])                                   # inverse's ill-conditioned case (NaN in LM training once)
@@ -107,10 +107,11 @@ def test_lowers_for_cuda():
         assert text.count("__gpu$xla.gpu.triton") == 2, "the UT transform and its backward"
 
 
-def test_ut_backward_is_the_vjp_of_ut_forward(rng):
-    """One chunk's UT transform (``kernels/gdn_chunk.py``) in float64: the hand-written backward
-    equals autodiff of the forward (``b`` fixed), and ``W, U`` solve ``(I + A) [W | U] = diag(β)
-    [ρ∘K | V]``."""
+@pytest.mark.parametrize("cb", [4, 8])
+def test_ut_backward_is_the_vjp_of_ut_forward(rng, cb):
+    """One chunk's UT transform (``kernels/gdn_chunk.py``) in float64: the blocked forward's
+    ``W, U`` solve ``(I + A) [W | U] = diag(β) [ρ∘K | V]`` and its ``X`` is ``(I + A)⁻¹``; the
+    hand-written backward from that ``X`` equals autodiff of the forward (``b`` fixed)."""
     from hla_jax.kernels import gdn_chunk
 
     c, d, dv = 16, 8, 5
@@ -119,13 +120,24 @@ def test_ut_backward_is_the_vjp_of_ut_forward(rng):
         V = jnp.asarray(rng.normal(size=(c, dv)))
         bb = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.3, c)))
         beta = jnp.asarray(rng.uniform(0.1, 0.9, c))
-        W, U = gdn_chunk.ut_forward(K, V, bb, beta)
+
+        def forward(K, V, beta):
+            Ks, Vs, bs, betas = (jnp.split(x, c // cb) for x in (K, V, bb, beta))
+            X = gdn_chunk.ut_inverse(Ks, bs, betas)
+            W = gdn_chunk.ut_apply(X, [(bt * jnp.exp(b))[:, None] * k for k, b, bt in zip(Ks, bs, betas)],
+                                   False)
+            U = gdn_chunk.ut_apply(X, [bt[:, None] * v for v, bt in zip(Vs, betas)], False)
+            return jnp.concatenate(W), jnp.concatenate(U), jnp.block(X)
+
+        W, U, X = forward(K, V, beta)
         Gam = jnp.tril(jnp.exp(bb[:, None] - bb[None, :]), -1)
         A = beta[:, None] * (K @ K.T) * Gam
         rhs = beta[:, None] * jnp.concatenate([jnp.exp(bb)[:, None] * K, V], 1)
         assert_close(jnp.concatenate([W, U], 1), jnp.linalg.solve(jnp.eye(c) + A, rhs), 1e-12)
+        assert_close(X, jnp.linalg.inv(jnp.eye(c) + A), 1e-12)
         dW, dU = jnp.asarray(rng.normal(size=(c, d))), jnp.asarray(rng.normal(size=(c, dv)))
-        _, vjp = jax.vjp(lambda K, V, beta: gdn_chunk.ut_forward(K, V, bb, beta), K, V, beta)
-        for a, b, what in zip(gdn_chunk.ut_backward(K, V, bb, beta, dW, dU), vjp((dW, dU)),
-                              ("dK", "dV", "dbeta")):
+        _, vjp = jax.vjp(lambda K, V, beta: forward(K, V, beta)[:2], K, V, beta)
+        dK, dbeta = gdn_chunk.ut_backward(K, bb, beta, X, dW, dU @ V.T)
+        dV = gdn_chunk.ut_backward_values(X, beta, dU, False)
+        for a, b, what in zip((dK, dV, dbeta), vjp((dW, dU)), ("dK", "dV", "dbeta")):
             assert_close(a, b, 1e-12, what)

@@ -261,31 +261,39 @@ def test_loglinear_ops_dispatch(rng, name, extra):
                  entry(q, k, v, g, *kw.values(), impl="reference"), TOL)
 
 
-@pytest.mark.parametrize("name,packed,dtype,want", [
-    ("loglinear_mamba2", False, jnp.bfloat16, "pallas"),
-    ("loglinear_mamba2", True, jnp.bfloat16, "pallas"),
-    ("loglinear_mamba2", False, jnp.float32, "blocks"),
-    ("loglinear_gated_deltanet", False, jnp.bfloat16, "gdn_blocks"),  # faster fwd+bwd on the H200
-    ("loglinear_gated_deltanet", True, jnp.bfloat16, "pallas"),
-    ("loglinear_gated_deltanet", False, jnp.float32, "gdn_blocks"),
+@pytest.mark.parametrize("name,rows,dtype,want", [
+    ("loglinear_mamba2", "whole", jnp.bfloat16, "pallas"),
+    ("loglinear_mamba2", "packed", jnp.bfloat16, "pallas"),
+    ("loglinear_mamba2", "state", jnp.bfloat16, "from_state"),  # faster on the H200
+    ("loglinear_mamba2", "both", jnp.bfloat16, "chunked"),
+    ("loglinear_mamba2", "whole", jnp.float32, "blocks"),
+    ("loglinear_gated_deltanet", "whole", jnp.bfloat16, "gdn_blocks"),  # faster fwd+bwd on the H200
+    ("loglinear_gated_deltanet", "packed", jnp.bfloat16, "pallas"),
+    ("loglinear_gated_deltanet", "state", jnp.bfloat16, "chunked"),
+    ("loglinear_gated_deltanet", "whole", jnp.float32, "gdn_blocks"),
 ])
-def test_loglinear_auto_dispatch(rng, monkeypatch, name, packed, dtype, want):
-    """On a GPU, ``impl="auto"`` takes log-linear Mamba-2's kernels for bf16 rows, packed or
-    not, and log-linear Gated DeltaNet's kernels for packed bf16 rows only (whole rows: its
-    block form); otherwise the block forms (``impl="chunked"``)."""
+def test_loglinear_auto_dispatch(rng, monkeypatch, name, rows, dtype, want):
+    """On a GPU, ``impl="auto"`` takes log-linear Mamba-2's kernels for bf16 rows, packed, whole
+    or continuing a state (``kernels.loglinear.from_state``), not packed and from a state at
+    once, and log-linear Gated DeltaNet's kernels for packed bf16 rows only (whole rows: its
+    block form); otherwise the block forms (``impl="chunked"``), or the counter form."""
+    from hla_jax.kernels import loglinear as kernels_loglinear
+
     B, T, H, d = 1, 40, 2, 16
     q, k, v = (x.astype(dtype) for x in make_qkv(rng, B, T, H, d, d))
     beta = (jnp.full((B, T, H), 0.5),) if "deltanet" in name else ()
     lam = jnp.ones((B, T, H, fenwick.num_levels(T)))
     seen = []
-    record = lambda tag: lambda *a, **kw: seen.append(tag) or v  # noqa: E731
+    record = lambda tag: lambda *a, **kw: seen.append(tag) or (v, None)  # noqa: E731
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(loglinear, "_kernel_takes", lambda *a: True)
     monkeypatch.setattr(loglinear.common, "pallas_entry", lambda n: record("pallas"))
+    monkeypatch.setattr(kernels_loglinear, "from_state", record("from_state"))
     for form in ("blocks", "gdn_blocks", "chunked"):
         monkeypatch.setitem(loglinear._JITTED, form, record(form))
-    seg = jnp.asarray(np.repeat([0, 1], [15, 25])[None]) if packed else None
-    getattr(ops, name)(q, k, v, make_gate(rng, B, T, H), *beta, lam, segment_ids=seg)
+    seg = jnp.asarray(np.repeat([0, 1], [15, 25])[None]) if rows in ("packed", "both") else None
+    getattr(ops, name)(q, k, v, make_gate(rng, B, T, H), *beta, lam, segment_ids=seg,
+                       return_final_state=rows in ("state", "both"))
     assert seen == [want]
 
 

@@ -5,12 +5,13 @@
 (``ops.gated_deltanet``; ``q, k [B,T,H,d]``, keys L2-normalised by the caller, ``v [B,T,H,dv]``,
 ``g = log a`` and ``beta [B,T,H]``, ``initial_state`` ``H0 [B,H,d,dv]``).  Per chunk of 64 tokens
 (SPEC §4, "Gated DeltaNet chunk form"), parallel over chunks (``kernels/gpu/gdn_ut.py``, Triton,
-over ``kernels/gdn_chunk.py``): the UT transform ``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)``,
+over ``kernels/gdn_chunk.py``): the UT transform
+``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)`` (the inverse on blocks of 16 tokens),
 ``W = T (ρ∘K)``, ``U = T V``; then one walk over the chunks (``kernels/gpu/gdn_mgpu.py``, Mosaic
-GPU) reads ``V' = U − W S``, the outputs and the state.  The backward, from ``W`` and ``V'`` kept
-by the forward (one ``[B,T,H,d]`` and one ``[B,T,H,dv]`` 16-bit array), is a reverse walk
-(``dV'``, ``dK``, the state cotangent), a forward walk (``dQ``, ``dW``) and the UT transform's
-backward (chunk-parallel again).
+GPU) reads ``V' = U − W S``, the outputs and the state.  The backward, from ``W``, ``V'`` and the
+inverse ``X`` kept by the forward (one ``[B,T,H,d]`` and one ``[B,T,H,dv]`` 16-bit array, one
+``[B,H,T,64]`` float32), is a reverse walk (``dV'``, ``dK``, the state cotangent), a forward walk
+(``dQ``, ``dW``) and the UT transform's backward (chunk-parallel again).
 
 The gate needs no walk of its own: in ``S̃_t = e^{−G_t} S_t`` (``G`` the cumulative log-decay) the
 recurrence reads ``S̃_t = (I − β k kᵀ) S̃_{t−1} + β k (e^{−G_t} v_t)ᵀ`` and ``o_t = S̃_tᵀ (e^{G_t} q_t)``,
@@ -20,7 +21,7 @@ chunk boundary, carried back from the end by per-chunk terms of the walks (``_ga
 16-bit noise does not add up over the sequence.
 
 Takes 16-bit ``q, k, v`` of one dtype with ``d ∈ {64, 128}`` and chunk 64 (Hopper's ``wgmma``);
-``T`` is zero-padded to a multiple of 64 and ``dv`` to a power of two >= 64; log-decays are floored at
+``T`` and ``dv`` are zero-padded to multiples of 64; log-decays are floored at
 ``wrap.LOG_DECAY_FLOOR`` (a reset ``g = -inf`` stays finite).  On CPU it runs in the Mosaic GPU
 interpreter.  There is no TPU or float32 kernel: ``ops.gated_deltanet(impl="chunked")`` serves
 those.
@@ -61,20 +62,21 @@ def _heads_first(x):
 
 
 def _forward(q, k, v, beta, g, h0, interpret):
-    """``(O, H_T, V', W)``: the walk's outputs, and ``V'`` and ``W`` for the backward."""
+    """``(O, H_T, V', W, X)``: the walk's outputs, and ``V'``, ``W`` and the UT transform's
+    inverse ``X`` for the backward."""
     b = _local(g)
-    w, u = gdn_ut.forward(k, v, b, _heads_first(beta), interpret=bool(interpret))
+    w, u, x = gdn_ut.forward(k, v, b, _heads_first(beta), interpret=bool(interpret))
     o, vn, sT = gdn_mgpu.walk(b * LOG2E, _t(h0), (q, k, w, u), mode="out", interpret=interpret)
-    return o, _t(sT), vn, w
+    return o, _t(sT), vn, w, x
 
 
 def _core_fwd(q, k, v, beta, g, h0, interpret):
-    o, hT, vn, w = _forward(q, k, v, beta, g, h0, interpret)
-    return (o, hT), (q, k, v, beta, g, h0, vn, w, hT)
+    o, hT, vn, w, x = _forward(q, k, v, beta, g, h0, interpret)
+    return (o, hT), (q, k, v, beta, g, h0, vn, w, x, hT)
 
 
 def _core_bwd(interpret, res, cts):
-    q, k, v, beta, g, h0, vn, w, hT = res
+    q, k, v, beta, g, h0, vn, w, x, hT = res
     do, dhT = cts
     dt, tri = q.dtype, bool(interpret)
     b, beta_h = _local(g), _heads_first(beta)
@@ -83,8 +85,7 @@ def _core_bwd(interpret, res, cts):
                                       interpret=interpret)
     dq, dw, qdq, _ = gdn_mgpu.walk(b2, _t(h0), (k, vn, do, du.astype(dt), q), mode="dq",
                                    interpret=interpret)
-    dw = dw.sum(0)
-    dk_ut, dv, dbeta = gdn_ut.backward(k, v, b, beta_h, dw, du, interpret=tri)
+    dk_ut, dv, dbeta = gdn_ut.backward(k, v, b, beta_h, x, dw, du, interpret=tri)
     dq, dk = dq.sum(0), dk.sum(0) + dk_ut
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
@@ -96,11 +97,12 @@ def _gate_grad(q, v, dq, dv, w, dw, walk_sums, hT, dhT):
     """``∂L/∂g_t = Σ_{t'≥t} ∂L/∂G_{t'}`` (module docstring), summed inside the chunk and taken
     exactly across it: ``X_n = ⟨S_{n+1}, ∂L/∂S_{n+1}⟩`` (the state leaving chunk ``n``) obeys
     ``X_{n−1} = X_n + Σ_{t∈n} (q·dq_inter + w·dw − V'·(γ̄ k dS))_t`` from ``X_{N−1} = ⟨H_T, ∂L/∂H_T⟩``;
-    ``walk_sums [B,H,Tp]`` holds the walks' two per-token terms."""
+    ``walk_sums [B,H,Tp]`` holds the walks' two per-token terms; ``dw [nv,B,Tp,H,d]`` comes in
+    the walk's value-tile shares."""
     B, Tp, H = q.shape[:3]
     dG = jnp.sum(q.astype(F32) * dq, -1) - jnp.sum(v.astype(F32) * dv, -1)     # [B,Tp,H]
     dG = jnp.swapaxes(dG, 1, 2).reshape(B, H, Tp // C, C)
-    local = (walk_sums + jnp.swapaxes(jnp.sum(w * dw, -1), 1, 2)).reshape(B, H, Tp // C, C).sum(-1)
+    local = (walk_sums + jnp.swapaxes(jnp.sum(w * dw, (0, -1)), 1, 2)).reshape(B, H, Tp // C, C).sum(-1)
     after = jnp.cumsum(local[..., ::-1], -1)[..., ::-1] - local                 # Σ_{m>n}
     X = jnp.sum(hT * dhT, (-2, -1))[..., None] + after                          # [B,H,N]
     dg = jnp.cumsum(dG[..., ::-1], -1)[..., ::-1] + X[..., None]
@@ -136,7 +138,7 @@ def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_
         raise ValueError(f"{name}: initial_state must have shape [B,H,d,dv]={(B, H, d, dv)}, got "
                          f"{jnp.shape(initial_state)}")
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-    Tp, dvp = -(-T // C) * C, wrap.pow2_at_least(max(dv, C))
+    Tp, dvp = -(-T // C) * C, -(-dv // C) * C
     per_token = lambda x: jnp.pad(x.astype(F32), ((0, 0), (0, Tp - T), (0, 0)))  # noqa: E731
     o, hT = core(wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, dvp), per_token(beta),
                  jnp.maximum(per_token(g), wrap.LOG_DECAY_FLOOR),

@@ -5,15 +5,24 @@ For ``c`` tokens with the local cumulative log-decay ``b`` (``ρ = exp(b)``, ``�
     A = strict_tril(diag(β)(K Kᵀ) ∘ Γ),   X = (I + A)⁻¹,   T = X diag(β)
     W = T (ρ∘K),   U = T V
 
-``X`` by block doubling (``loglinear_gdn_chunk.unit_lower_inverse``) and every product with
-``T`` on float32 operands (TF32 for bf16 inputs: a bf16 ``T`` costs the gate's gradient, which
-sums such errors over a chunk, about 10%); ``K Kᵀ`` and ``dT`` on operands of the input dtype.
-The backward gives ``dK, dV, dβ`` for ``b`` held fixed (the Gated DeltaNet kernel takes the
-gate's gradient from an identity, ``kernels/gdn.py``)::
+The forward works on ``n = c/cb`` row blocks of ``cb`` tokens (``A_ij = diag(β_i)(K_i K_jᵀ) ∘ Γ_ij``,
+strictly lower for ``i = j``), so the inverse costs ``n`` small ones and a block substitution
+instead of full ``c×c`` products::
+
+    X_ii = (I + A_ii)⁻¹ (``loglinear_gdn_chunk.unit_lower_inverse``),   X_ij = −X_ii Σ_{j≤m<i} A_im X_mj
+    W_i = Σ_{j≤i} X_ij (β∘ρ∘K)_j,   U_i = Σ_{j≤i} X_ij (β∘V)_j
+
+and keeps ``X`` for the backward, which takes it whole (``[c,c]``) and gives ``dK, dV, dβ``
+for ``b`` held fixed (the Gated DeltaNet kernel takes the gate's gradient from an identity,
+``kernels/gdn.py``)::
 
     dT = dW (ρ∘K)ᵀ + dU Vᵀ,   dV = Tᵀ dU,   dβ_σ ⊇ Σ_τ X∘dT,   dX = dT diag(β)
     dA = strict_tril(−Xᵀ dX Xᵀ),   E = dA ∘ Γ,   dβ_τ ⊇ Σ_σ E∘(K Kᵀ)
     dK = ρ∘(Tᵀ dW) + (β∘E) K + (β∘E)ᵀ K
+
+Every product with ``X`` or ``T`` runs on float32 operands (TF32 for bf16 inputs: a bf16 ``T``
+costs the gate's gradient, which sums such errors over a chunk, about 10%); ``K Kᵀ`` and ``dT``
+on operands of the input dtype.
 """
 
 from __future__ import annotations
@@ -24,32 +33,50 @@ from hla_jax.kernels.la_chunk import decays, dot
 from hla_jax.kernels.loglinear_gdn_chunk import strict_lower, tri_dot, unit_lower_inverse
 
 
-def _pieces(K, bb, beta):
-    """``(ρ, Γ, K Kᵀ, A, X)`` of one chunk, float32."""
-    r, _, _, Gam, _ = decays(bb)
-    KK = dot(K, K, tb=True)
-    A = jnp.where(strict_lower(K.shape[0]), beta[:, None] * KK * Gam, 0.0)
-    return r, Gam, KK, A, unit_lower_inverse(A, K.dtype == jnp.bfloat16)
+def ut_inverse(Ks, bs, betas):
+    """``X = (I + A)⁻¹`` of one chunk given as ``n`` row blocks ``Ks[i] [cb,d]``, ``bs[i],
+    betas[i] [cb]``: the blocks ``X[i][j] [cb,cb]`` float32 (zeros above the diagonal)."""
+    n, fast = len(Ks), Ks[0].dtype == jnp.bfloat16
+    X = [[None] * n for _ in range(n)]
+    def a(i, m):   # A_im, m ≤ i
+        log_gam = bs[i][:, None] - bs[m][None, :]
+        if m == i:
+            log_gam = jnp.where(strict_lower(log_gam.shape[0]), log_gam, -jnp.inf)
+        return betas[i][:, None] * dot(Ks[i], Ks[m], tb=True) * jnp.exp(log_gam)
+
+    for i in range(n):
+        X[i][i] = unit_lower_inverse(a(i, i), fast)
+        row = [a(i, m) for m in range(i)]
+        for j in range(i):
+            acc = sum(tri_dot(row[m], X[m][j], fast) for m in range(j, i))
+            X[i][j] = -tri_dot(X[i][i], acc, fast)
+        for j in range(i + 1, n):
+            X[i][j] = jnp.zeros_like(X[i][i])
+    return X
 
 
-def ut_forward(K, V, bb, beta):
-    """``(W [c,d], U [c,dv])`` float32 from ``K [c,d]``, ``V [c,dv]``, ``bb, beta [c]``."""
-    fast = K.dtype == jnp.bfloat16
-    r, _, _, _, X = _pieces(K, bb, beta)
-    Tm = X * beta[None, :]
-    return tri_dot(Tm, r[:, None] * K, fast), tri_dot(Tm, V, fast)
+def ut_apply(X, Ys, fast: bool):
+    """The blocks ``Σ_{j≤i} X[i][j] Ys[j]`` of ``X Y`` (``W`` from ``Ys = β∘ρ∘K``, ``U`` from
+    ``β∘V``), float32 operands (TF32 when ``fast``)."""
+    return [sum(tri_dot(X[i][j], Ys[j], fast) for j in range(i + 1)) for i in range(len(Ys))]
 
 
-def ut_backward(K, V, bb, beta, dW, dU):
-    """Cotangents ``(dK [c,d], dV [c,dv], dβ [c])`` (float32, ``b`` fixed) of ``ut_forward``."""
+def ut_backward(K, bb, beta, X, dW, dUV):
+    """``(dK [c,d], dβ [c])`` (float32, ``b`` fixed) of the UT transform from the forward's
+    ``X [c,c]`` float32, ``dW`` and ``dUV = dU Vᵀ [c,c]`` (summed over value tiles by the
+    caller)."""
     dt = K.dtype
     fast = dt == jnp.bfloat16
-    r, Gam, KK, _, X = _pieces(K, bb, beta)
-    Tm = X * beta[None, :]
-    dTm = dot(dW.astype(dt), (r[:, None] * K).astype(dt), tb=True) + dot(dU.astype(dt), V, tb=True)
+    r, _, _, Gam, _ = decays(bb)
+    KK = dot(K, K, tb=True)
+    dTm = dot(dW.astype(dt), (r[:, None] * K).astype(dt), tb=True) + dUV
     dA = -tri_dot(tri_dot(X, dTm * beta[None, :], fast, ta=True), X, fast, tb=True)
     E = jnp.where(strict_lower(K.shape[0]), dA, 0.0) * Gam
     dKK = (beta[:, None] * E).astype(dt)
-    dK = r[:, None] * tri_dot(Tm, dW, fast, ta=True) + dot(dKK, K) + dot(dKK, K, ta=True)
-    dbeta = jnp.sum(X * dTm, axis=0) + jnp.sum(E * KK, axis=1)
-    return dK, tri_dot(Tm, dU, fast, ta=True), dbeta
+    dK = r[:, None] * tri_dot(X * beta[None, :], dW, fast, ta=True) + dot(dKK, K) + dot(dKK, K, ta=True)
+    return dK, jnp.sum(X * dTm, axis=0) + jnp.sum(E * KK, axis=1)
+
+
+def ut_backward_values(X, beta, dU, fast: bool):
+    """``dV = Tᵀ dU`` (``T = X diag(β)``) of one value tile ``dU [c,bv]``, float32."""
+    return tri_dot(X * beta[None, :], dU, fast, ta=True)

@@ -229,7 +229,10 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     # log-linear GDN on whole rows: the block form, faster than its kernels forward+backward
     # (38.9 against 65.6 ms at T=8192 on the H200, kernels_bench_loglinear_gdn_blocks)
     blocks_first = name == "loglinear_gated_deltanet" and segment_ids is None
-    if (impl == "auto" and name in KERNELS and not (lam is not None and state_args) and not blocks_first
+    # a state: the kernels on the row and one first-order pass (log-linear Mamba-2: 102 against
+    # 321 ms fwd+bwd for the counter form at T=2048 on the H200, kernels_bench_states)
+    both = lam is not None and state_args and segment_ids is not None
+    if (impl == "auto" and name in KERNELS and not both and not blocks_first
             and common.pallas_preferred(seq_axis, chunk_size, q, k, v)
             and _kernel_takes(name, q, k, v, chunk_size)):
         impl = "pallas"
@@ -290,9 +293,7 @@ def loglinear_mamba2(q, k, v, g, lam, *, segment_ids=None, initial_state=None,
     (``kernels.loglinear.from_state``: the kernels on the row at its offset below ``2^K ≥ T``,
     up to ``3T`` tokens, and one ``mamba2`` pass with ``2L·dv`` value columns for the state's
     reads and the final state), not both; "auto"
-    takes it on a GPU for bf16 inputs without a state (``common.pallas_preferred``), with
-    ``segment_ids`` too, else "chunked" (the state path has not run on a GPU yet).
-    """
+    takes it on a GPU for bf16 inputs (``common.pallas_preferred``), else "chunked"."""
     return run("loglinear_mamba2", q, k, v, g, None, lam, impl=impl, chunk_size=chunk_size,
                log_levels=True, seq_axis=seq_axis, segment_ids=segment_ids,
                initial_state=initial_state, return_final_state=return_final_state)

@@ -2,10 +2,11 @@
 program per (batch, head, chunk) over ``kernels/gdn_chunk.py``.
 
 Inputs stay in the caller's layout: ``k [B,Tp,H,d]``, ``v [B,Tp,H,dv]`` (strided tile loads),
-``b`` (the chunk-local cumulative log-decay) and ``beta`` as ``[B,H,Tp]`` float32; ``d`` and
-``dv`` powers of two >= 16 (the caller pads).  ``forward`` gives ``W [B,Tp,H,d]`` and
-``U [B,Tp,H,dv]`` in the input dtype, ``backward`` the float32 cotangents ``dk, dv, dbeta`` for
-``b`` held fixed.
+``b`` (the chunk-local cumulative log-decay) and ``beta`` as ``[B,H,Tp]`` float32; ``d`` a power
+of two >= 16 and ``dv`` a multiple of 64 (the caller pads), taken 128 (or 64) columns at a time.
+``forward`` gives ``W [B,Tp,H,d]`` and ``U [B,Tp,H,dv]`` in the input dtype and the inverse
+``X = (I + A)⁻¹ [B,H,Tp,c]`` float32 (working on row blocks of ``cb`` tokens), ``backward`` from
+that ``X`` the float32 cotangents ``dk, dv, dbeta`` for ``b`` held fixed.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from hla_jax.kernels import gdn_chunk
 from hla_jax.kernels.gpu.walk import compiler_params
-from hla_jax.kernels.la_chunk import F32
+from hla_jax.kernels.la_chunk import F32, dot
 
 
 def _call(kernel, out_shape, c, num_warps, interpret, *args):
@@ -27,37 +30,82 @@ def _call(kernel, out_shape, c, num_warps, interpret, *args):
                                 interpret=interpret)(*args))
 
 
-def _rows(c):
-    return pl.ds(pl.multiple_of(pl.program_id(2) * c, c), c)
+def _rows(c, at=0, n=None):
+    """This program's chunk rows ``[at, at + n)`` (all ``c`` by default)."""
+    return pl.ds(pl.multiple_of(pl.program_id(2) * c + at, n or c), n or c)
 
 
-@functools.partial(jax.jit, static_argnames=("c", "num_warps", "interpret"))
-def forward(k, v, b, beta, *, c=64, num_warps=4, interpret=False):
-    """``(W, U)`` of every chunk (module docstring)."""
-    def kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref):
-        i, h, ts = pl.program_id(0), pl.program_id(1), _rows(c)
-        W, U = gdn_chunk.ut_forward(k_ref[i, ts, h, :], v_ref[i, ts, h, :], b_ref[i, h, ts],
-                                    beta_ref[i, h, ts])
-        w_ref[i, ts, h, :] = W.astype(w_ref.dtype)
-        u_ref[i, ts, h, :] = U.astype(u_ref.dtype)
+def _value_tiles(dv):
+    """``(bu, n)``: value tiles of ``bu`` columns (128, or 64 when ``dv`` is an odd multiple of
+    64) and their count."""
+    bu = 128 if dv % 128 == 0 else min(dv, 64)
+    return bu, dv // bu
 
-    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, k.dtype)]
+
+def _over_value_tiles(dv, body, init):
+    """``body(cols, carry)`` over the value tiles' column slices, in a loop."""
+    bu, n = _value_tiles(dv)
+    return lax.fori_loop(0, n, lambda t, carry: body(pl.ds(pl.multiple_of(t * bu, bu), bu), carry),
+                         init)
+
+
+@functools.partial(jax.jit, static_argnames=("c", "cb", "num_warps", "interpret"))
+def forward(k, v, b, beta, *, c=64, cb=16, num_warps=4, interpret=False):
+    """``(W, U, X)`` of every chunk (module docstring), ``X [B,H,Tp,c]`` float32; ``U`` a value
+    tile at a time."""
+    def kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, x_ref):
+        i, h = pl.program_id(0), pl.program_id(1)
+        blocks = [_rows(c, m * cb, cb) for m in range(c // cb)]
+        fast = k_ref.dtype == jnp.bfloat16
+        bs, betas = [b_ref[i, h, ts] for ts in blocks], [beta_ref[i, h, ts] for ts in blocks]
+        Ks = [k_ref[i, ts, h, :] for ts in blocks]
+        X = gdn_chunk.ut_inverse(Ks, bs, betas)
+        W = gdn_chunk.ut_apply(X, [(bt * jnp.exp(bb))[:, None] * K.astype(F32)
+                                   for K, bb, bt in zip(Ks, bs, betas)], fast)
+        for m, ts in enumerate(blocks):
+            w_ref[i, ts, h, :] = W[m].astype(w_ref.dtype)
+            for j, x in enumerate(X[m]):
+                x_ref[i, h, ts, pl.ds(j * cb, cb)] = x
+
+        def u_tile(cols, carry):
+            U = gdn_chunk.ut_apply(X, [bt[:, None] * v_ref[i, ts, h, cols].astype(F32)
+                                       for ts, bt in zip(blocks, betas)], fast)
+            for m, ts in enumerate(blocks):
+                u_ref[i, ts, h, cols] = U[m].astype(u_ref.dtype)
+            return carry
+
+        _over_value_tiles(v.shape[-1], u_tile, 0)
+
+    B, Tp, H = k.shape[:3]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, k.dtype),
+                 jax.ShapeDtypeStruct((B, H, Tp, c), F32)]
     return _call(kernel, out_shape, c, num_warps, interpret, k, v, b, beta)
 
 
 @functools.partial(jax.jit, static_argnames=("c", "num_warps", "interpret"))
-def backward(k, v, b, beta, dw, du, *, c=64, num_warps=4, interpret=False):
-    """``(dk, dv, dbeta)`` float32 from the cotangents ``dw [B,Tp,H,d]``, ``du [B,Tp,H,dv]``."""
-    def kernel(k_ref, v_ref, b_ref, beta_ref, dw_ref, du_ref, dk_ref, dv_ref, dbeta_ref):
+def backward(k, v, b, beta, x, dw, du, *, c=64, num_warps=4, interpret=False):
+    """``(dk, dv, dbeta)`` float32 from the forward's ``x``, the cotangent ``du [B,Tp,H,dv]`` and
+    ``dw [nv,B,Tp,H,d]`` in ``nv`` shares (summed here); ``dU Vᵀ`` and ``dv`` a value tile at a
+    time."""
+    def kernel(k_ref, v_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref, dk_ref, dv_ref, dbeta_ref):
         i, h, ts = pl.program_id(0), pl.program_id(1), _rows(c)
-        dK, dV, dbeta = gdn_chunk.ut_backward(
-            k_ref[i, ts, h, :], v_ref[i, ts, h, :], b_ref[i, h, ts], beta_ref[i, h, ts],
-            dw_ref[i, ts, h, :], du_ref[i, ts, h, :])
-        dk_ref[i, ts, h, :] = dK
-        dv_ref[i, ts, h, :] = dV
-        dbeta_ref[i, h, ts] = dbeta
+        K, beta, X = k_ref[i, ts, h, :], beta_ref[i, h, ts], x_ref[i, h, ts, :]
+        fast = K.dtype == jnp.bfloat16
+        duv = _over_value_tiles(v.shape[-1], lambda cols, acc: acc + dot(
+            du_ref[i, ts, h, cols].astype(K.dtype), v_ref[i, ts, h, cols], tb=True),
+            jnp.zeros((c, c), F32))
+        dW = sum(dw_ref[j, i, ts, h, :] for j in range(dw.shape[0]))
+        dk_ref[i, ts, h, :], dbeta_ref[i, h, ts] = gdn_chunk.ut_backward(
+            K, b_ref[i, h, ts], beta, X, dW, duv)
+
+        def dv_tile(cols, carry):
+            dv_ref[i, ts, h, cols] = gdn_chunk.ut_backward_values(X, beta, du_ref[i, ts, h, cols],
+                                                                  fast)
+            return carry
+
+        _over_value_tiles(v.shape[-1], dv_tile, 0)
 
     B, Tp, H = k.shape[:3]
     out_shape = [jax.ShapeDtypeStruct(k.shape, F32), jax.ShapeDtypeStruct(v.shape, F32),
                  jax.ShapeDtypeStruct((B, H, Tp), F32)]
-    return _call(kernel, out_shape, c, num_warps, interpret, k, v, b, beta, dw, du)
+    return _call(kernel, out_shape, c, num_warps, interpret, k, v, b, beta, x, dw, du)
