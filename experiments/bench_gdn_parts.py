@@ -2,7 +2,7 @@
 (``kernels/gpu/gdn_ut.py``, forward and backward), each Mosaic GPU walk
 (``kernels/gpu/gdn_mgpu.py``: ``out`` forward, ``rev`` and ``dq`` backward), the whole
 ``kernels.gdn.core`` forward and backward, and what is left for XLA's glue, median ms;
-``ut_fwd_cb32`` times the UT forward on row blocks of 32 tokens instead of 16.
+``ut_fwd_cb16`` times the UT forward on row blocks of 16 tokens instead of 32.
 
     python experiments/bench_gdn_parts.py [--T 8192] [--tokens 65536] [--name bench_gdn_parts_gpu]
                                           [--out DIR]
@@ -53,8 +53,8 @@ def main(argv=None):
     bwd = jax.jit(lambda res, cts: gdn._core_bwd(False, res, cts))
     row = dict(device=jax.devices()[0].device_kind, B=B, T=T,
                ut_fwd=timeit(gdn_ut.forward, k, v, b, beta),
-               ut_fwd_cb32=timeit(functools.partial(gdn_ut.forward, cb=32), k, v, b, beta),
-               ut_bwd=timeit(gdn_ut.backward, k, v, b, beta, x, w16[None].astype(jnp.float32), du),
+               ut_fwd_cb16=timeit(functools.partial(gdn_ut.forward, cb=16), k, v, b, beta),
+               ut_bwd=timeit(gdn_ut.backward, k, v, w16, b, beta, x, w16[None].astype(jnp.float32), du),
                walk_out=timeit(walk["out"], b2, q, k, w16, u16),
                walk_rev=timeit(walk["rev"], b2, q, k, w16, w, vn),
                walk_dq=timeit(walk["dq"], b2, k, vn, w, du, q),

@@ -6,7 +6,7 @@
 ``g = log a`` and ``beta [B,T,H]``, ``initial_state`` ``H0 [B,H,d,dv]``).  Per chunk of 64 tokens
 (SPEC §4, "Gated DeltaNet chunk form"), parallel over chunks (``kernels/gpu/gdn_ut.py``, Triton,
 over ``kernels/gdn_chunk.py``): the UT transform
-``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)`` (the inverse on blocks of 16 tokens),
+``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)`` (the inverse on blocks of 32 tokens),
 ``W = T (ρ∘K)``, ``U = T V``; then one walk over the chunks (``kernels/gpu/gdn_mgpu.py``, Mosaic
 GPU) reads ``V' = U − W S``, the outputs and the state.  The backward, from ``W``, ``V'`` and the
 inverse ``X`` kept by the forward (one ``[B,T,H,d]`` and one ``[B,T,H,dv]`` 16-bit array, one
@@ -83,28 +83,26 @@ def _core_bwd(interpret, res, cts):
     b2, do = b * LOG2E, do.astype(dt)
     du, dk, vkds, dh0 = gdn_mgpu.walk(b2, _t(dhT), (q, k, w, do, vn), mode="rev",
                                       interpret=interpret)
-    dq, dw, qdq, _ = gdn_mgpu.walk(b2, _t(h0), (k, vn, do, du.astype(dt), q), mode="dq",
-                                   interpret=interpret)
-    dk_ut, dv, dbeta = gdn_ut.backward(k, v, b, beta_h, x, dw, du, interpret=tri)
+    dq, dw, qdq, qdq_all, _ = gdn_mgpu.walk(b2, _t(h0), (k, vn, do, du.astype(dt), q), mode="dq",
+                                            interpret=interpret)
+    dk_ut, dv, dbeta, wdw, vdv = gdn_ut.backward(k, v, w, b, beta_h, x, dw, du, interpret=tri)
     dq, dk = dq.sum(0), dk.sum(0) + dk_ut
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
-            _gate_grad(q, v, dq, dv, w.astype(F32), dw, qdq.sum(0) - vkds.sum(0), hT, dhT),
-            _t(dh0))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv, jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
+            _gate_grad(qdq_all.sum(0) - vdv, qdq.sum(0) - vkds.sum(0) + wdw, hT, dhT), _t(dh0))
 
 
-def _gate_grad(q, v, dq, dv, w, dw, walk_sums, hT, dhT):
-    """``∂L/∂g_t = Σ_{t'≥t} ∂L/∂G_{t'}`` (module docstring), summed inside the chunk and taken
-    exactly across it: ``X_n = ⟨S_{n+1}, ∂L/∂S_{n+1}⟩`` (the state leaving chunk ``n``) obeys
-    ``X_{n−1} = X_n + Σ_{t∈n} (q·dq_inter + w·dw − V'·(γ̄ k dS))_t`` from ``X_{N−1} = ⟨H_T, ∂L/∂H_T⟩``;
-    ``walk_sums [B,H,Tp]`` holds the walks' two per-token terms; ``dw [nv,B,Tp,H,d]`` comes in
-    the walk's value-tile shares."""
-    B, Tp, H = q.shape[:3]
-    dG = jnp.sum(q.astype(F32) * dq, -1) - jnp.sum(v.astype(F32) * dv, -1)     # [B,Tp,H]
-    dG = jnp.swapaxes(dG, 1, 2).reshape(B, H, Tp // C, C)
-    local = (walk_sums + jnp.swapaxes(jnp.sum(w * dw, (0, -1)), 1, 2)).reshape(B, H, Tp // C, C).sum(-1)
+def _gate_grad(dG, local, hT, dhT):
+    """``∂L/∂g_t = Σ_{t'≥t} ∂L/∂G_{t'}`` (module docstring) from ``dG = q·∂L/∂q − v·∂L/∂v``
+    ``[B,H,Tp]`` per token, summed inside the chunk and taken exactly across it:
+    ``X_n = ⟨S_{n+1}, ∂L/∂S_{n+1}⟩`` (the state leaving chunk ``n``) obeys
+    ``X_{n−1} = X_n + Σ_{t∈n} (q·dq_inter + w·dw − V'·(γ̄ k dS))_t`` from
+    ``X_{N−1} = ⟨H_T, ∂L/∂H_T⟩``; ``local [B,H,Tp]`` holds those per-token terms (the walks' and
+    the UT backward's sums)."""
+    B, H, Tp = dG.shape
+    local = local.reshape(B, H, Tp // C, C).sum(-1)
     after = jnp.cumsum(local[..., ::-1], -1)[..., ::-1] - local                 # Σ_{m>n}
     X = jnp.sum(hT * dhT, (-2, -1))[..., None] + after                          # [B,H,N]
+    dG = dG.reshape(B, H, Tp // C, C)
     dg = jnp.cumsum(dG[..., ::-1], -1)[..., ::-1] + X[..., None]
     return jnp.swapaxes(dg.reshape(B, H, Tp), 1, 2)
 

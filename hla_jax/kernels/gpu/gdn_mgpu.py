@@ -67,8 +67,9 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
     (``rev``: the final state's cotangent).  Returns, with the state after the walk last:
     ``out``: ``O [B,Tp,H,dv]`` float32, ``V' [B,Tp,H,dv]`` 16-bit;
     ``rev``: ``dU = dV' [B,Tp,H,dv]``, ``dK [nv,B,Tp,H,d]``, ``Σ V'∘(diag(γ̄) K dS) [nv,B,H,Tp]``;
-    ``dq``: ``dQ [nv,B,Tp,H,d]``, ``dW [nv,B,Tp,H,d]``, ``Σ_d q∘dQ_inter [nv,B,H,Tp]`` (float32;
-    ``nv`` value tiles; the sums per token are the gate's chunk-boundary terms, ``kernels/gdn.py``).
+    ``dq``: ``dQ [nv,B,Tp,H,d]``, ``dW [nv,B,Tp,H,d]``, ``Σ_d q∘dQ_inter`` and ``Σ_d q∘dQ``
+    ``[nv,B,H,Tp]`` (float32; ``nv`` value tiles; the sums per token are the gate's terms,
+    ``kernels/gdn.py``).
     """
     by = dict(zip(TILES[mode], tiles))
     B, Tp, H, d = by["k"].shape
@@ -76,11 +77,11 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
     nv, reverse = dv // BV, mode == "rev"
     _mm = functools.partial(matmul, interpret=bool(interpret))
     names = TILES[mode]
-    outs = {"out": [(C, BV)], "rev": [(C, BV), (C, d), (C,)], "dq": [(C, d), (C, d), (C,)]}[mode]
+    outs = {"out": [(C, BV)], "rev": [(C, BV), (C, d), (C,)], "dq": [(C, d), (C, d), (C,), (C,)]}[mode]
     sums = ((nv, B, H, Tp), F32)
     out_type = {"out": [((B, Tp, H, dv), F32), ((B, Tp, H, dv), dt)],
                 "rev": [((B, Tp, H, dv), F32), ((nv, B, Tp, H, d), F32), sums],
-                "dq": [((nv, B, Tp, H, d), F32), ((nv, B, Tp, H, d), F32), sums]}[mode]
+                "dq": [((nv, B, Tp, H, d), F32), ((nv, B, Tp, H, d), F32), sums, sums]}[mode]
     vec = plgpu.SMEM((2, C), F32)
     scratch = dict(
         x_s=[smem_tile((2, C, d if n in WIDE else BV), dt) for n in names], b_c=vec, b_r=vec,
@@ -154,11 +155,12 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
             else:                 # dq: s_t is Sᵀ, the values are V'
                 ds = _mm(t["o"], t["v"].T, (C, C)) * causal_decay(b_row, b_col, (C, C))
                 dq = _mm(t["o"], s_pub, (C, d)) * bcast_rows(rho_r, (C, d))
-                qdq = (plgpu.load(t["q"], layout=WGMMA).astype(F32) * dq).sum(1)
-                tiles = [_mm(ds.astype(dt), t["k"], (C, d), init=dq),
-                         -_mm(t["u"], s_pub, (C, d)), qdq]                 # dW = −dV' Sᵀ
+                q_dot = lambda x: (plgpu.load(t["q"], layout=WGMMA).astype(F32) * x).sum(1)  # noqa: E731
+                qdq = q_dot(dq)
+                dq = _mm(ds.astype(dt), t["k"], (C, d), init=dq)
+                tiles = [dq, -_mm(t["u"], s_pub, (C, d)), qdq, q_dot(dq)]   # dW = −dV' Sᵀ
                 dsts = [o_refs[0].at[iv, bi, rows, hi], o_refs[1].at[iv, bi, rows, hi],
-                        o_refs[2].at[iv, bi, hi, rows]]
+                        o_refs[2].at[iv, bi, hi, rows], o_refs[3].at[iv, bi, hi, rows]]
                 new_v = t["v"]
             for buf, val in zip(stage, tiles):
                 buf[...] = val

@@ -6,7 +6,8 @@ Inputs stay in the caller's layout: ``k [B,Tp,H,d]``, ``v [B,Tp,H,dv]`` (strided
 of two >= 16 and ``dv`` a multiple of 64 (the caller pads), taken 128 (or 64) columns at a time.
 ``forward`` gives ``W [B,Tp,H,d]`` and ``U [B,Tp,H,dv]`` in the input dtype and the inverse
 ``X = (I + A)⁻¹ [B,H,Tp,c]`` float32 (working on row blocks of ``cb`` tokens), ``backward`` from
-that ``X`` the float32 cotangents ``dk, dv, dbeta`` for ``b`` held fixed.
+that ``X`` the cotangents ``dk, dv, dbeta`` for ``b`` held fixed and two per-token sums of the
+gate's gradient.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _over_value_tiles(dv, body, init):
 
 
 @functools.partial(jax.jit, static_argnames=("c", "cb", "num_warps", "interpret"))
-def forward(k, v, b, beta, *, c=64, cb=16, num_warps=4, interpret=False):
+def forward(k, v, b, beta, *, c=64, cb=32, num_warps=4, interpret=False):
     """``(W, U, X)`` of every chunk (module docstring), ``X [B,H,Tp,c]`` float32; ``U`` a value
     tile at a time."""
     def kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, x_ref):
@@ -83,11 +84,13 @@ def forward(k, v, b, beta, *, c=64, cb=16, num_warps=4, interpret=False):
 
 
 @functools.partial(jax.jit, static_argnames=("c", "num_warps", "interpret"))
-def backward(k, v, b, beta, x, dw, du, *, c=64, num_warps=4, interpret=False):
-    """``(dk, dv, dbeta)`` float32 from the forward's ``x``, the cotangent ``du [B,Tp,H,dv]`` and
-    ``dw [nv,B,Tp,H,d]`` in ``nv`` shares (summed here); ``dU Vᵀ`` and ``dv`` a value tile at a
-    time."""
-    def kernel(k_ref, v_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref, dk_ref, dv_ref, dbeta_ref):
+def backward(k, v, w, b, beta, x, dw, du, *, c=64, num_warps=4, interpret=False):
+    """``(dk, dv, dbeta, w·dw, v·dv)`` from the forward's ``w`` and ``x``, the cotangent
+    ``du [B,Tp,H,dv]`` and ``dw [nv,B,Tp,H,d]`` in ``nv`` shares (summed here): ``dk`` float32,
+    ``dv`` in ``v``'s dtype, the rest float32 ``[B,H,Tp]`` (the per-token sums are the gate's
+    terms, ``kernels/gdn.py``); ``dU Vᵀ`` and ``dv`` a value tile at a time."""
+    def kernel(k_ref, v_ref, w_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref,
+               dk_ref, dv_ref, dbeta_ref, wdw_ref, vdv_ref):
         i, h, ts = pl.program_id(0), pl.program_id(1), _rows(c)
         K, beta, X = k_ref[i, ts, h, :], beta_ref[i, h, ts], x_ref[i, h, ts, :]
         fast = K.dtype == jnp.bfloat16
@@ -95,17 +98,19 @@ def backward(k, v, b, beta, x, dw, du, *, c=64, num_warps=4, interpret=False):
             du_ref[i, ts, h, cols].astype(K.dtype), v_ref[i, ts, h, cols], tb=True),
             jnp.zeros((c, c), F32))
         dW = sum(dw_ref[j, i, ts, h, :] for j in range(dw.shape[0]))
+        wdw_ref[i, h, ts] = jnp.sum(w_ref[i, ts, h, :].astype(F32) * dW, axis=1)
         dk_ref[i, ts, h, :], dbeta_ref[i, h, ts] = gdn_chunk.ut_backward(
             K, b_ref[i, h, ts], beta, X, dW, duv)
 
-        def dv_tile(cols, carry):
-            dv_ref[i, ts, h, cols] = gdn_chunk.ut_backward_values(X, beta, du_ref[i, ts, h, cols],
-                                                                  fast)
-            return carry
+        def dv_tile(cols, vdv):
+            dV = gdn_chunk.ut_backward_values(X, beta, du_ref[i, ts, h, cols], fast)
+            dv_ref[i, ts, h, cols] = dV.astype(dv_ref.dtype)
+            return vdv + jnp.sum(v_ref[i, ts, h, cols].astype(F32) * dV, axis=1)
 
-        _over_value_tiles(v.shape[-1], dv_tile, 0)
+        vdv_ref[i, h, ts] = _over_value_tiles(v.shape[-1], dv_tile, jnp.zeros((c,), F32))
 
     B, Tp, H = k.shape[:3]
-    out_shape = [jax.ShapeDtypeStruct(k.shape, F32), jax.ShapeDtypeStruct(v.shape, F32),
-                 jax.ShapeDtypeStruct((B, H, Tp), F32)]
-    return _call(kernel, out_shape, c, num_warps, interpret, k, v, b, beta, x, dw, du)
+    per_token = jax.ShapeDtypeStruct((B, H, Tp), F32)
+    out_shape = [jax.ShapeDtypeStruct(k.shape, F32), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 per_token, per_token, per_token]
+    return _call(kernel, out_shape, c, num_warps, interpret, k, v, w, b, beta, x, dw, du)
