@@ -2,7 +2,8 @@
 (``kernels/gpu/gdn_ut.py``, forward and backward), each Mosaic GPU walk
 (``kernels/gpu/gdn_mgpu.py``: ``out`` forward, ``rev`` and ``dq`` backward), the whole
 ``kernels.gdn.core`` forward and backward, and what is left for XLA's glue, median ms;
-``ut_fwd_cb16`` times the UT forward on row blocks of 16 tokens instead of 32.
+``ut_fwd_cb16`` times the UT forward on row blocks of 16 tokens instead of 32, ``ut_{fwd,bwd}_w{2,8}``
+the UT kernels with 2 and 8 Triton warps instead of 4.
 
     python experiments/bench_gdn_parts.py [--T 8192] [--tokens 65536] [--name bench_gdn_parts_gpu]
                                           [--out DIR]
@@ -59,6 +60,10 @@ def main(argv=None):
                walk_rev=timeit(walk["rev"], b2, q, k, w16, w, vn),
                walk_dq=timeit(walk["dq"], b2, k, vn, w, du, q),
                fwd=timeit(fwd, *args), bwd=timeit(bwd, res, (w.astype(jnp.float32), hT)))
+    for nw in (2, 8):   # the UT kernels' Triton warps (4 by default)
+        row[f"ut_fwd_w{nw}"] = timeit(functools.partial(gdn_ut.forward, num_warps=nw), k, v, b, beta)
+        row[f"ut_bwd_w{nw}"] = timeit(functools.partial(gdn_ut.backward, num_warps=nw), k, v, w16, b,
+                                      beta, x, w16[None].astype(jnp.float32), du)
     row["glue_fwd"] = row["fwd"] - row["ut_fwd"] - row["walk_out"]
     row["glue_bwd"] = row["bwd"] - row["walk_rev"] - row["walk_dq"] - row["ut_bwd"]
     print(json.dumps(row))
