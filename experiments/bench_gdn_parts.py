@@ -2,9 +2,8 @@
 (``kernels/gpu/gdn_ut.py``, forward and backward), each Mosaic GPU walk
 (``kernels/gpu/gdn_mgpu.py``: ``out`` forward, ``rev`` and ``dq`` backward), the whole
 ``kernels.gdn.core`` forward and backward, and what is left for XLA's glue, median ms;
-``walk_<mode>_ungrouped`` times each walk waiting for one product at a time (``group=False``).
-(Earlier runs also timed the UT kernels on blocks of 16 tokens, ``bench_gdn_parts_gpu_sums.json``,
-and at 2 and 8 Triton warps, ``bench_gdn_parts_gpu_warps.json``.)
+``ut_fwd_cb16`` times the UT forward on row blocks of 16 tokens instead of 32, ``ut_{fwd,bwd}_w{2,8}``
+the UT kernels with 2 and 8 Triton warps instead of 4.
 
     python experiments/bench_gdn_parts.py [--T 8192] [--tokens 65536] [--name bench_gdn_parts_gpu]
                                           [--out DIR]
@@ -18,6 +17,7 @@ walk_dq − ut_bwd``.  The Mosaic GPU walks run compiled only (sm_90).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -43,8 +43,8 @@ def main(argv=None):
     b = wrap.chunk_log_decay(g, gdn_mgpu.C)
     b2 = b * math.log2(math.e)
     h0 = jnp.zeros((B, q.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
-    walk, ungrouped = ({m: jax.jit(lambda b2, *x, m=m, g=g: gdn_mgpu.walk(b2, h0, x, mode=m, group=g))
-                        for m in gdn_mgpu.TILES} for g in (True, False))
+    walk = {m: jax.jit(lambda b2, *x, m=m: gdn_mgpu.walk(b2, h0, x, mode=m))
+            for m in gdn_mgpu.TILES}
     w16, u16, x = gdn_ut.forward(k, v, b, beta)
     _, vn, _ = walk["out"](b2, q, k, w16, u16)
     du = walk["rev"](b2, q, k, w16, w, vn)[0].astype(q.dtype)   # w: a bf16 stand-in for dO
@@ -54,13 +54,16 @@ def main(argv=None):
     bwd = jax.jit(lambda res, cts: gdn._core_bwd(False, res, cts))
     row = dict(device=jax.devices()[0].device_kind, B=B, T=T,
                ut_fwd=timeit(gdn_ut.forward, k, v, b, beta),
+               ut_fwd_cb16=timeit(functools.partial(gdn_ut.forward, cb=16), k, v, b, beta),
                ut_bwd=timeit(gdn_ut.backward, k, v, w16, b, beta, x, w16[None].astype(jnp.float32), du),
                walk_out=timeit(walk["out"], b2, q, k, w16, u16),
                walk_rev=timeit(walk["rev"], b2, q, k, w16, w, vn),
                walk_dq=timeit(walk["dq"], b2, k, vn, w, du, q),
                fwd=timeit(fwd, *args), bwd=timeit(bwd, res, (w.astype(jnp.float32), hT)))
-    for m, xs in (("out", (q, k, w16, u16)), ("rev", (q, k, w16, w, vn)), ("dq", (k, vn, w, du, q))):
-        row[f"walk_{m}_ungrouped"] = timeit(ungrouped[m], b2, *xs)
+    for nw in (2, 8):   # the UT kernels' Triton warps (4 by default)
+        row[f"ut_fwd_w{nw}"] = timeit(functools.partial(gdn_ut.forward, num_warps=nw), k, v, b, beta)
+        row[f"ut_bwd_w{nw}"] = timeit(functools.partial(gdn_ut.backward, num_warps=nw), k, v, w16, b,
+                                      beta, x, w16[None].astype(jnp.float32), du)
     row["glue_fwd"] = row["fwd"] - row["ut_fwd"] - row["walk_out"]
     row["glue_bwd"] = row["bwd"] - row["walk_rev"] - row["walk_dq"] - row["ut_bwd"]
     print(json.dumps(row))

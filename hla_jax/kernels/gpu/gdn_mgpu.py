@@ -20,10 +20,8 @@ more matmul.  The backward, with ``V'`` kept from the forward:
 and ``dU = dV'``.  Each walk is one CTA per (batch, head, 64 value columns) with the transposed
 state ``Sᵀ: [64, d]`` float32 in registers and the next chunk's tiles double-buffered by TMA, as
 in ``la_mgpu``; ``dQ``, ``dK`` and ``dW`` contract over the values, so each value tile writes its
-share.  Per chunk the products that do not wait on each other go to the tensor cores as one
-group with one wait (``la_mgpu.products``, ``accumulate``: three groups in the reverse walk where
-one product at a time took eight waits).  No sequence is cut into pieces (the transition is a
-matrix: ``la_mgpu.pieces`` needs a scalar one).
+share.  No sequence is cut into pieces (the transition is a matrix: ``la_mgpu.pieces`` needs a
+scalar one).
 
 Inputs: ``q, k, w: [B,Tp,H,d]`` 16-bit with ``d ∈ {64, 128}``, ``u, V', dO: [B,Tp,H,dv]`` with
 ``dv`` a multiple of 64, ``Tp`` a multiple of 64, ``b2 [B,H,Tp]`` the local log2-decay (finite),
@@ -31,6 +29,8 @@ states ``[B,H,dv,d]`` float32 (transposed).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -45,12 +45,11 @@ from hla_jax.kernels.gpu.la_mgpu import (
     ROWS,
     WGMMA,
     C,
-    accumulate,
     bcast_cols,
     bcast_rows,
     build,
     causal_decay,
-    products,
+    matmul,
     smem_tile,
 )
 
@@ -60,7 +59,7 @@ TILES = {"out": "qkwu", "rev": "qkwov", "dq": "kvouq"}
 WIDE = set("qkw")
 
 
-def walk(b2, s0, tiles, *, mode, interpret=None, group=True):
+def walk(b2, s0, tiles, *, mode, interpret=None):
     """One walk of ``mode`` (module docstring) over the chunks.
 
     ``tiles``: the inputs of ``TILES[mode]`` in order (``q, k, w`` key-width; ``u`` = U,
@@ -70,12 +69,13 @@ def walk(b2, s0, tiles, *, mode, interpret=None, group=True):
     ``rev``: ``dU = dV' [B,Tp,H,dv]``, ``dK [nv,B,Tp,H,d]``, ``Σ V'∘(diag(γ̄) K dS) [nv,B,H,Tp]``;
     ``dq``: ``dQ [nv,B,Tp,H,d]``, ``dW [nv,B,Tp,H,d]``, ``Σ_d q∘dQ_inter`` and ``Σ_d q∘dQ``
     ``[nv,B,H,Tp]`` (float32; ``nv`` value tiles; the sums per token are the gate's terms,
-    ``kernels/gdn.py``).  ``group=False`` waits for each product alone (for the benchmark).
+    ``kernels/gdn.py``).
     """
     by = dict(zip(TILES[mode], tiles))
     B, Tp, H, d = by["k"].shape
     dv, dt, N = next(by[n] for n in "uvo" if n in by).shape[-1], by["k"].dtype, Tp // C
     nv, reverse = dv // BV, mode == "rev"
+    _mm = functools.partial(matmul, interpret=bool(interpret))
     names = TILES[mode]
     outs = {"out": [(C, BV)], "rev": [(C, BV), (C, d), (C,)], "dq": [(C, d), (C, d), (C,), (C,)]}[mode]
     sums = ((nv, B, H, Tp), F32)
@@ -130,54 +130,38 @@ def walk(b2, s0, tiles, *, mode, interpret=None, group=True):
             s_pub[...] = s_t.astype(dt)
             plgpu.commit_smem()
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last chunk's stores
-            grp = dict(interpret=bool(interpret), group=group)
-            decayed = s_t * jnp.exp2(b_last)
             if mode == "out":
-                ws, qk, qs = products((t["w"], s_pub.T, (C, BV)), (t["q"], t["k"].T, (C, C)),
-                                      (t["q"], s_pub.T, (C, BV)), **grp)
-                vn = plgpu.load(t["u"], layout=WGMMA).astype(F32) - ws           # V' = U − W S
+                vn = (plgpu.load(t["u"], layout=WGMMA).astype(F32)
+                      - _mm(t["w"], s_pub.T, (C, BV)))                      # V' = U − W S
                 v16[...] = vn.astype(dt)
-                p = qk * causal_decay(b_row, b_col, (C, C))
+                p = _mm(t["q"], t["k"].T, (C, C)) * causal_decay(b_row, b_col, (C, C))
+                o = _mm(t["q"], s_pub.T, (C, BV)) * bcast_rows(rho_r, (C, BV))
                 plgpu.commit_smem()
-                vw = plgpu.load(v16.T, layout=WGMMA).astype(F32) * bcast_cols(
-                    jnp.exp2(b_last - b_col), (BV, C))
-                o, s_t = accumulate((qs * bcast_rows(rho_r, (C, BV)), [(p.astype(dt), v16)]),
-                                    (decayed, [(vw.astype(dt), t["k"])]), **grp)
-                tiles, dsts = [o], [o_refs[0].at[bi, rows, hi, cols]]
+                tiles = [_mm(p.astype(dt), v16, (C, BV), init=o)]
+                dsts = [o_refs[0].at[bi, rows, hi, cols]]
+                new_v = v16
             elif mode == "rev":   # s_t is dSᵀ of the chunk's outgoing state
-                pt, kds, vd = products((t["k"], t["q"].T, (C, C)), (t["k"], s_pub.T, (C, BV)),
-                                       (t["v"], t["o"].T, (C, C)), **grp)
-                decay_t = causal_decay(b_row, b_col, (C, C), True)
-                kds = kds * bcast_rows(gbar_r, (C, BV))
-                dvn, dk = products(((pt * decay_t).astype(dt), t["o"], (C, BV)),
-                                   (t["v"], s_pub, (C, d)), **grp)
-                dvn = dvn + kds                                                     # dV'
+                pt = _mm(t["k"], t["q"].T, (C, C)) * causal_decay(b_row, b_col, (C, C), True)
+                kds = _mm(t["k"], s_pub.T, (C, BV)) * bcast_rows(gbar_r, (C, BV))
+                dvn = _mm(pt.astype(dt), t["o"], (C, BV), init=kds)         # dV'
                 v16[...] = (-dvn).astype(dt)
+                vd = _mm(t["v"], t["o"].T, (C, C)) * causal_decay(b_row, b_col, (C, C), True)
+                dk = _mm(t["v"], s_pub, (C, d)) * bcast_rows(gbar_r, (C, d))
                 vkds = (plgpu.load(t["v"], layout=WGMMA).astype(F32) * kds).sum(1)
-                plgpu.commit_smem()
-                do_w = plgpu.load(t["o"].T, layout=WGMMA).astype(F32) * bcast_cols(
-                    jnp.exp2(b_col), (BV, C))
-                neg = plgpu.load(v16.T, layout=WGMMA)
-                dk, s_t = accumulate(
-                    (dk * bcast_rows(gbar_r, (C, d)), [((vd * decay_t).astype(dt), t["q"])]),
-                    (decayed, [(do_w.astype(dt), t["q"]), (neg, t["w"])]), **grp)
-                tiles = [dvn, dk, vkds]
+                tiles = [dvn, _mm(vd.astype(dt), t["q"], (C, d), init=dk), vkds]
                 dsts = [o_refs[0].at[bi, rows, hi, cols], o_refs[1].at[iv, bi, rows, hi],
                         o_refs[2].at[iv, bi, hi, rows]]
+                plgpu.commit_smem()
             else:                 # dq: s_t is Sᵀ, the values are V'
-                ds, dq, dw = products((t["o"], t["v"].T, (C, C)), (t["o"], s_pub, (C, d)),
-                                      (t["u"], s_pub, (C, d)), **grp)
-                dq = dq * bcast_rows(rho_r, (C, d))
+                ds = _mm(t["o"], t["v"].T, (C, C)) * causal_decay(b_row, b_col, (C, C))
+                dq = _mm(t["o"], s_pub, (C, d)) * bcast_rows(rho_r, (C, d))
                 q_dot = lambda x: (plgpu.load(t["q"], layout=WGMMA).astype(F32) * x).sum(1)  # noqa: E731
                 qdq = q_dot(dq)
-                vw = plgpu.load(t["v"].T, layout=WGMMA).astype(F32) * bcast_cols(
-                    jnp.exp2(b_last - b_col), (BV, C))
-                ds = ds * causal_decay(b_row, b_col, (C, C))
-                dq, s_t = accumulate((dq, [(ds.astype(dt), t["k"])]),
-                                     (decayed, [(vw.astype(dt), t["k"])]), **grp)
-                tiles = [dq, -dw, qdq, q_dot(dq)]                                   # dW = −dV' Sᵀ
+                dq = _mm(ds.astype(dt), t["k"], (C, d), init=dq)
+                tiles = [dq, -_mm(t["u"], s_pub, (C, d)), qdq, q_dot(dq)]   # dW = −dV' Sᵀ
                 dsts = [o_refs[0].at[iv, bi, rows, hi], o_refs[1].at[iv, bi, rows, hi],
                         o_refs[2].at[iv, bi, hi, rows], o_refs[3].at[iv, bi, hi, rows]]
+                new_v = t["v"]
             for buf, val in zip(stage, tiles):
                 buf[...] = val
             plgpu.commit_smem()
@@ -187,7 +171,17 @@ def walk(b2, s0, tiles, *, mode, interpret=None, group=True):
                 plgpu.copy_smem_to_gmem(v16, o_refs[1].at[bi, rows, hi, cols],
                                         commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-            return s_t
+            decayed = s_t * jnp.exp2(b_last)
+            if mode == "rev":     # dSᵀ ← ρ_c dSᵀ + (ρ∘dO)ᵀ Q − dV'ᵀ W
+                do_w = plgpu.load(t["o"].T, layout=WGMMA).astype(F32) * bcast_cols(
+                    jnp.exp2(b_col), (BV, C))
+                s_t = _mm(do_w.astype(dt), t["q"], (BV, d), init=decayed)
+                neg = plgpu.load(v16.T, layout=WGMMA)
+                return _mm(neg, t["w"], (BV, d), init=s_t)
+            # Sᵀ ← ρ_c Sᵀ + (γ̄∘V')ᵀ K
+            vw = plgpu.load(new_v.T, layout=WGMMA).astype(F32) * bcast_cols(
+                jnp.exp2(b_last - b_col), (BV, C))
+            return _mm(vw.astype(dt), t["k"], (BV, d), init=decayed)
 
         s_t = lax.fori_loop(0, N, step, s_init)
         plgpu.wait_smem_to_gmem(0)

@@ -99,42 +99,6 @@ def matmul(a, b, shape, init=None, *, interpret=False):
     return lax.optimization_barrier(out)
 
 
-def products(*specs, interpret=False, group=True):
-    """Independent products ``a @ b`` (``specs``: ``(a, b, shape)``, as for ``matmul``) issued as
-    one wgmma group and waited for once, so the tensor cores start the next while one finishes
-    (``group=False``, and in the interpreter: one ``matmul`` each)."""
-    if interpret or not group:
-        return tuple(matmul(a, b, shape, interpret=interpret) for a, b, shape in specs)
-
-    def scoped(*accs):
-        for acc, (a, b, _) in zip(accs, specs):
-            plgpu.wgmma(acc, a, b)
-        return tuple(acc[...] for acc in accs)
-
-    return lax.optimization_barrier(
-        pl.run_scoped(scoped, *(plgpu.ACC(shape, F32) for _, _, shape in specs)))
-
-
-def accumulate(*terms, interpret=False, group=True):
-    """``init + Σ a @ b`` for several accumulators (``terms``: ``(init, [(a, b), …])``), every
-    product issued as one wgmma group and waited for once (``group=False``, and in the
-    interpreter: one ``matmul`` each)."""
-    if interpret or not group:
-        out = []
-        for init, pairs in terms:
-            for a, b in pairs:
-                init = matmul(a, b, init.shape, init, interpret=interpret)
-            out.append(init)
-        return tuple(out)
-
-    def body(accs):
-        for acc, (_, pairs) in zip(accs, terms):
-            for a, b in pairs:
-                plgpu.wgmma(acc, a, b)
-
-    return lax.optimization_barrier(pl.run_state(body)(tuple(plgpu.ACC.init(i) for i, _ in terms)))
-
-
 def bcast_rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
