@@ -133,11 +133,13 @@ def test_lm_is_causal(name, rng):
 
 @pytest.mark.parametrize("name", MIXERS)
 def test_long_bf16_stable(name):
-    """Default settings, T=16384 random tokens in bfloat16: finite logits and gradients."""
+    """Default settings, T=16384 random tokens in bfloat16 (softmax, which carries no state
+    along T: 4096, a sixteenth of its quadratic cost on the CPU): finite logits and gradients."""
+    T = 4096 if name == "softmax" else 16384
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, mixer_pattern=(name,),
-                      chunk_size=64, dtype="bfloat16", max_seq_len=16384)
+                      chunk_size=64, dtype="bfloat16", max_seq_len=T)
     model = LM(cfg, rngs=nnx.Rngs(0))
-    tok = jax.random.randint(jax.random.key(0), (1, 16384), 0, cfg.vocab_size)
+    tok = jax.random.randint(jax.random.key(0), (1, T), 0, cfg.vocab_size)
     graphdef, params = nnx.split(model)
 
     def loss(p):
