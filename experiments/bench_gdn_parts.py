@@ -1,12 +1,12 @@
 """Where the Gated DeltaNet kernel's time goes, on a Hopper GPU: the UT transform
 (``kernels/gpu/gdn_ut.py``, forward and backward), each Mosaic GPU walk
 (``kernels/gpu/gdn_mgpu.py``: ``out`` forward, ``rev`` and ``dq`` backward), the whole
-``kernels.gdn.core`` forward and backward, and what is left for XLA's glue, median ms;
-``ut_fwd_cb16`` times the UT forward on row blocks of 16 tokens instead of 32, ``ut_{fwd,bwd}_w{2,8}``
-the UT kernels with 2 and 8 Triton warps instead of 4.
+``kernels.gdn.core`` forward and backward, and what is left for XLA's glue, median ms; with
+``--sweep`` also the UT settings that were chosen this way: ``ut_fwd_cb16`` (row blocks of 16
+tokens instead of 32) and ``ut_{fwd,bwd}_w{2,8}`` (2 and 8 Triton warps instead of 4).
 
     python experiments/bench_gdn_parts.py [--T 8192] [--tokens 65536] [--name bench_gdn_parts_gpu]
-                                          [--out DIR]
+                                          [--sweep] [--out DIR]
 
 Same inputs as ``bench_kernels.py`` (bf16, H=16, d=dv=128, B·T = ``--tokens``); writes
 ``<out>/<name>.json``: the parts, ``fwd``/``bwd`` (``core``'s forward and its backward from the
@@ -35,6 +35,7 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--name", default="bench_gdn_parts_gpu")
+    p.add_argument("--sweep", action="store_true", help="also time the UT kernels' other settings")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args(argv)
     B, T = max(a.tokens // a.T, 1), a.T
@@ -52,18 +53,19 @@ def main(argv=None):
     fwd = jax.jit(lambda *x: gdn._core_fwd(*x, False))
     (o, hT), res = fwd(*args)
     bwd = jax.jit(lambda res, cts: gdn._core_bwd(False, res, cts))
+    ut_bwd_args = (k, v, w16, b, beta, x, w16[None].astype(jnp.float32), du)  # one dW share
     row = dict(device=jax.devices()[0].device_kind, B=B, T=T,
                ut_fwd=timeit(gdn_ut.forward, k, v, b, beta),
-               ut_fwd_cb16=timeit(functools.partial(gdn_ut.forward, cb=16), k, v, b, beta),
-               ut_bwd=timeit(gdn_ut.backward, k, v, w16, b, beta, x, w16[None].astype(jnp.float32), du),
+               ut_bwd=timeit(gdn_ut.backward, *ut_bwd_args),
                walk_out=timeit(walk["out"], b2, q, k, w16, u16),
                walk_rev=timeit(walk["rev"], b2, q, k, w16, w, vn),
                walk_dq=timeit(walk["dq"], b2, k, vn, w, du, q),
                fwd=timeit(fwd, *args), bwd=timeit(bwd, res, (w.astype(jnp.float32), hT)))
-    for nw in (2, 8):   # the UT kernels' Triton warps (4 by default)
-        row[f"ut_fwd_w{nw}"] = timeit(functools.partial(gdn_ut.forward, num_warps=nw), k, v, b, beta)
-        row[f"ut_bwd_w{nw}"] = timeit(functools.partial(gdn_ut.backward, num_warps=nw), k, v, w16, b,
-                                      beta, x, w16[None].astype(jnp.float32), du)
+    if a.sweep:
+        row["ut_fwd_cb16"] = timeit(functools.partial(gdn_ut.forward, cb=16), k, v, b, beta)
+        for nw in (2, 8):   # the UT kernels' Triton warps (4 by default)
+            row[f"ut_fwd_w{nw}"] = timeit(functools.partial(gdn_ut.forward, num_warps=nw), k, v, b, beta)
+            row[f"ut_bwd_w{nw}"] = timeit(functools.partial(gdn_ut.backward, num_warps=nw), *ut_bwd_args)
     row["glue_fwd"] = row["fwd"] - row["ut_fwd"] - row["walk_out"]
     row["glue_bwd"] = row["bwd"] - row["walk_rev"] - row["walk_dq"] - row["ut_bwd"]
     print(json.dumps(row))
