@@ -48,18 +48,19 @@ def main(argv=None):
             for m in gdn_mgpu.TILES}
     w16, u16, x = gdn_ut.forward(k, v, b, beta)
     _, vn, _ = walk["out"](b2, q, k, w16, u16)
-    du = walk["rev"](b2, q, k, w16, w, vn)[0].astype(q.dtype)   # w: a bf16 stand-in for dO
+    du, *_, ndu, _ = walk["rev"](b2, q, k, w16, w, vn)   # w: a bf16 stand-in for dO
     args = (q, k, v, beta_t.astype(jnp.float32), g, h0)
     fwd = jax.jit(lambda *x: gdn._core_fwd(*x, False))
     (o, hT), res = fwd(*args)
     bwd = jax.jit(lambda res, cts: gdn._core_bwd(False, res, cts))
-    ut_bwd_args = (k, v, w16, b, beta, x, w16[None].astype(jnp.float32), du)  # one dW share
+    share = w16[None].astype(jnp.float32)   # one share of dW and of the walks' dK
+    ut_bwd_args = (k, v, w16, b, beta, x, share, du, share)
     row = dict(device=jax.devices()[0].device_kind, B=B, T=T,
                ut_fwd=timeit(gdn_ut.forward, k, v, b, beta),
                ut_bwd=timeit(gdn_ut.backward, *ut_bwd_args),
                walk_out=timeit(walk["out"], b2, q, k, w16, u16),
                walk_rev=timeit(walk["rev"], b2, q, k, w16, w, vn),
-               walk_dq=timeit(walk["dq"], b2, k, vn, w, du, q),
+               walk_dq=timeit(walk["dq"], b2, k, vn, w, ndu, q),
                fwd=timeit(fwd, *args), bwd=timeit(bwd, res, (w.astype(jnp.float32), hT)))
     if a.sweep:
         row["ut_fwd_cb16"] = timeit(functools.partial(gdn_ut.forward, cb=16), k, v, b, beta)

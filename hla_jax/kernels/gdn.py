@@ -81,13 +81,12 @@ def _core_bwd(interpret, res, cts):
     dt, tri = q.dtype, bool(interpret)
     b, beta_h = _local(g), _heads_first(beta)
     b2, do = b * LOG2E, do.astype(dt)
-    du, dk, vkds, dh0 = gdn_mgpu.walk(b2, _t(dhT), (q, k, w, do, vn), mode="rev",
-                                      interpret=interpret)
-    dq, dw, qdq, qdq_all, _ = gdn_mgpu.walk(b2, _t(h0), (k, vn, do, du.astype(dt), q), mode="dq",
+    du, dk, vkds, ndu, dh0 = gdn_mgpu.walk(b2, _t(dhT), (q, k, w, do, vn), mode="rev",
+                                           interpret=interpret)
+    dq, dw, qdq, qdq_all, _ = gdn_mgpu.walk(b2, _t(h0), (k, vn, do, ndu, q), mode="dq",
                                             interpret=interpret)
-    dk_ut, dv, dbeta, wdw, vdv = gdn_ut.backward(k, v, w, b, beta_h, x, dw, du, interpret=tri)
-    dq, dk = dq.sum(0), dk.sum(0) + dk_ut
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv, jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
+    dk, dv, dbeta, wdw, vdv = gdn_ut.backward(k, v, w, b, beta_h, x, dw, du, dk, interpret=tri)
+    return (dq.sum(0).astype(q.dtype), dk, dv, jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
             _gate_grad(qdq_all.sum(0) - vdv, qdq.sum(0) - vkds.sum(0) + wdw, hT, dhT), _t(dh0))
 
 

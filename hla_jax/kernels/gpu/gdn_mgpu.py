@@ -17,7 +17,7 @@ more matmul.  The backward, with ``V'`` kept from the forward:
     forward walk (S recomputed as an LA state with values V')
         dQ = diag(ρ) dO Sᵀ + ((dO V'ᵀ) ∘ Γ) K          dW = −dV' Sᵀ
 
-and ``dU = dV'``.  Each walk is one CTA per (batch, head, 64 value columns) with the transposed
+and ``dU = dV'`` (the reverse walk also writes ``−dV'`` in 16 bits: the forward walk's operand).  Each walk is one CTA per (batch, head, 64 value columns) with the transposed
 state ``Sᵀ: [64, d]`` float32 in registers and the next chunk's tiles double-buffered by TMA, as
 in ``la_mgpu``; ``dQ``, ``dK`` and ``dW`` contract over the values, so each value tile writes its
 share.  No sequence is cut into pieces (the transition is a matrix: ``la_mgpu.pieces`` needs a
@@ -66,8 +66,9 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
     ``v`` = V', ``o`` = dO value-width); ``s0 [B,H,dv,d]`` the transposed state it starts from
     (``rev``: the final state's cotangent).  Returns, with the state after the walk last:
     ``out``: ``O [B,Tp,H,dv]`` float32, ``V' [B,Tp,H,dv]`` 16-bit;
-    ``rev``: ``dU = dV' [B,Tp,H,dv]``, ``dK [nv,B,Tp,H,d]``, ``Σ V'∘(diag(γ̄) K dS) [nv,B,H,Tp]``;
-    ``dq``: ``dQ [nv,B,Tp,H,d]``, ``dW [nv,B,Tp,H,d]``, ``Σ_d q∘dQ_inter`` and ``Σ_d q∘dQ``
+    ``rev``: ``dU = dV' [B,Tp,H,dv]``, ``dK [nv,B,Tp,H,d]``, ``Σ V'∘(diag(γ̄) K dS) [nv,B,H,Tp]``,
+    ``−dV' [B,Tp,H,dv]`` 16-bit;
+    ``dq`` (``u`` = ``−dV'``): ``dQ [nv,B,Tp,H,d]``, ``dW [nv,B,Tp,H,d]``, ``Σ_d q∘dQ_inter`` and ``Σ_d q∘dQ``
     ``[nv,B,H,Tp]`` (float32; ``nv`` value tiles; the sums per token are the gate's terms,
     ``kernels/gdn.py``).
     """
@@ -80,7 +81,7 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
     outs = {"out": [(C, BV)], "rev": [(C, BV), (C, d), (C,)], "dq": [(C, d), (C, d), (C,), (C,)]}[mode]
     sums = ((nv, B, H, Tp), F32)
     out_type = {"out": [((B, Tp, H, dv), F32), ((B, Tp, H, dv), dt)],
-                "rev": [((B, Tp, H, dv), F32), ((nv, B, Tp, H, d), F32), sums],
+                "rev": [((B, Tp, H, dv), F32), ((nv, B, Tp, H, d), F32), sums, ((B, Tp, H, dv), dt)],
                 "dq": [((nv, B, Tp, H, d), F32), ((nv, B, Tp, H, d), F32), sums, sums]}[mode]
     vec = plgpu.SMEM((2, C), F32)
     scratch = dict(
@@ -158,7 +159,7 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
                 q_dot = lambda x: (plgpu.load(t["q"], layout=WGMMA).astype(F32) * x).sum(1)  # noqa: E731
                 qdq = q_dot(dq)
                 dq = _mm(ds.astype(dt), t["k"], (C, d), init=dq)
-                tiles = [dq, -_mm(t["u"], s_pub, (C, d)), qdq, q_dot(dq)]   # dW = −dV' Sᵀ
+                tiles = [dq, _mm(t["u"], s_pub, (C, d)), qdq, q_dot(dq)]    # dW = −dV' Sᵀ
                 dsts = [o_refs[0].at[iv, bi, rows, hi], o_refs[1].at[iv, bi, rows, hi],
                         o_refs[2].at[iv, bi, hi, rows], o_refs[3].at[iv, bi, hi, rows]]
                 new_v = t["v"]
@@ -167,8 +168,8 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
             plgpu.commit_smem()
             for buf, dst in zip(stage, dsts):
                 plgpu.copy_smem_to_gmem(buf, dst, commit_group=False)
-            if mode == "out":
-                plgpu.copy_smem_to_gmem(v16, o_refs[1].at[bi, rows, hi, cols],
+            if mode != "dq":     # V' (out) or −dV' (rev) in 16 bits
+                plgpu.copy_smem_to_gmem(v16, o_refs[-1].at[bi, rows, hi, cols],
                                         commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             decayed = s_t * jnp.exp2(b_last)

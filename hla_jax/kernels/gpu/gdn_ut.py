@@ -6,8 +6,8 @@ Inputs stay in the caller's layout: ``k [B,Tp,H,d]``, ``v [B,Tp,H,dv]`` (strided
 of two >= 16 and ``dv`` a multiple of 64 (the caller pads), taken 128 (or 64) columns at a time.
 ``forward`` gives ``W [B,Tp,H,d]`` and ``U [B,Tp,H,dv]`` in the input dtype and the inverse
 ``X = (I + A)⁻¹ [B,H,Tp,c]`` float32 (working on row blocks of ``cb`` tokens), ``backward`` from
-that ``X`` the cotangents ``dk, dv, dbeta`` for ``b`` held fixed and two per-token sums of the
-gate's gradient.
+that ``X`` the cotangents ``dk, dv, dbeta`` for ``b`` held fixed (``dk`` with the walks' part
+added) and two per-token sums of the gate's gradient.
 """
 
 from __future__ import annotations
@@ -84,33 +84,36 @@ def forward(k, v, b, beta, *, c=64, cb=32, num_warps=4, interpret=False):
 
 
 @functools.partial(jax.jit, static_argnames=("c", "num_warps", "interpret"))
-def backward(k, v, w, b, beta, x, dw, du, *, c=64, num_warps=4, interpret=False):
+def backward(k, v, w, b, beta, x, dw, du, dk_walk, *, c=64, num_warps=4, interpret=False):
     """``(dk, dv, dbeta, w·dw, v·dv)`` from the forward's ``w`` and ``x``, the cotangent
-    ``du [B,Tp,H,dv]`` and ``dw [nv,B,Tp,H,d]`` in ``nv`` shares (summed here): ``dk`` float32,
-    ``dv`` in ``v``'s dtype, the rest float32 ``[B,H,Tp]`` (the per-token sums are the gate's
-    terms, ``kernels/gdn.py``); ``dU Vᵀ`` and ``dv`` a value tile at a time."""
-    def kernel(k_ref, v_ref, w_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref,
+    ``du [B,Tp,H,dv]``, and ``dw``, ``dk_walk [nv,B,Tp,H,d]`` in ``nv`` shares (summed here; the
+    walks' parts of ``dW`` and ``dK``): ``dk`` in ``k``'s dtype (the walks' part added), ``dv`` in
+    ``v``'s, the rest float32 ``[B,H,Tp]`` (the per-token sums are the gate's terms,
+    ``kernels/gdn.py``); ``dU Vᵀ`` and ``dv`` in one loop over the value tiles."""
+    def kernel(k_ref, v_ref, w_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref, dkw_ref,
                dk_ref, dv_ref, dbeta_ref, wdw_ref, vdv_ref):
         i, h, ts = pl.program_id(0), pl.program_id(1), _rows(c)
         K, beta, X = k_ref[i, ts, h, :], beta_ref[i, h, ts], x_ref[i, h, ts, :]
         fast = K.dtype == jnp.bfloat16
-        duv = _over_value_tiles(v.shape[-1], lambda cols, acc: acc + dot(
-            du_ref[i, ts, h, cols].astype(K.dtype), v_ref[i, ts, h, cols], tb=True),
-            jnp.zeros((c, c), F32))
-        dW = sum(dw_ref[j, i, ts, h, :] for j in range(dw.shape[0]))
-        wdw_ref[i, h, ts] = jnp.sum(w_ref[i, ts, h, :].astype(F32) * dW, axis=1)
-        dk_ref[i, ts, h, :], dbeta_ref[i, h, ts] = gdn_chunk.ut_backward(
-            K, b_ref[i, h, ts], beta, X, dW, duv)
 
-        def dv_tile(cols, vdv):
-            dV = gdn_chunk.ut_backward_values(X, beta, du_ref[i, ts, h, cols], fast)
+        def value_tile(cols, carry):   # dV = Tᵀ dU, v·dV and dU Vᵀ from one read of dU and V
+            duv, vdv = carry
+            dU, V = du_ref[i, ts, h, cols], v_ref[i, ts, h, cols]
+            dV = gdn_chunk.ut_backward_values(X, beta, dU, fast)
             dv_ref[i, ts, h, cols] = dV.astype(dv_ref.dtype)
-            return vdv + jnp.sum(v_ref[i, ts, h, cols].astype(F32) * dV, axis=1)
+            return (duv + dot(dU.astype(K.dtype), V, tb=True),
+                    vdv + jnp.sum(V.astype(F32) * dV, axis=1))
 
-        vdv_ref[i, h, ts] = _over_value_tiles(v.shape[-1], dv_tile, jnp.zeros((c,), F32))
+        duv, vdv_ref[i, h, ts] = _over_value_tiles(
+            v.shape[-1], value_tile, (jnp.zeros((c, c), F32), jnp.zeros((c,), F32)))
+        shares = lambda ref: sum(ref[j, i, ts, h, :] for j in range(ref.shape[0]))  # noqa: E731
+        dW = shares(dw_ref)
+        wdw_ref[i, h, ts] = jnp.sum(w_ref[i, ts, h, :].astype(F32) * dW, axis=1)
+        dK, dbeta_ref[i, h, ts] = gdn_chunk.ut_backward(K, b_ref[i, h, ts], beta, X, dW, duv)
+        dk_ref[i, ts, h, :] = (dK + shares(dkw_ref)).astype(dk_ref.dtype)
 
     B, Tp, H = k.shape[:3]
     per_token = jax.ShapeDtypeStruct((B, H, Tp), F32)
-    out_shape = [jax.ShapeDtypeStruct(k.shape, F32), jax.ShapeDtypeStruct(v.shape, v.dtype),
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
                  per_token, per_token, per_token]
-    return _call(kernel, out_shape, c, num_warps, interpret, k, v, w, b, beta, x, dw, du)
+    return _call(kernel, out_shape, c, num_warps, interpret, k, v, w, b, beta, x, dw, du, dk_walk)
