@@ -17,9 +17,10 @@ more matmul.  The backward, with ``V'`` kept from the forward:
     forward walk (S recomputed as an LA state with values V')
         dQ = diag(ρ) dO Sᵀ + ((dO V'ᵀ) ∘ Γ) K          dW = −dV' Sᵀ
 
-and ``dU = dV'`` (the reverse walk also writes ``−dV'`` in 16 bits: the forward walk's operand).  Each walk is one CTA per (batch, head, 64 value columns) with the transposed
-state ``Sᵀ: [64, d]`` float32 in registers and the next chunk's tiles double-buffered by TMA, as
-in ``la_mgpu``; ``dQ``, ``dK`` and ``dW`` contract over the values, so each value tile writes its
+and ``dU = dV'`` (the reverse walk also writes ``−dV'`` in 16 bits: the forward walk's
+operand).  Each walk is one CTA per (batch, head, 64 value columns) with the transposed state
+``Sᵀ: [64, d]`` float32 in registers and the next chunk's tiles double-buffered by TMA, as in
+``la_mgpu``; ``dQ``, ``dK`` and ``dW`` contract over the values, so each value tile writes its
 share.  No sequence is cut into pieces (the transition is a matrix: ``la_mgpu.pieces`` needs a
 scalar one).
 
