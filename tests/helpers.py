@@ -1,8 +1,18 @@
 """Test helpers shared by the operator tests."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def devices_env(n: int = 8, **extra) -> dict:
+    """``os.environ`` for a subprocess with ``n`` emulated CPU devices (set in XLA_FLAGS before
+    JAX starts there), keeping the suite's XLA flags (``conftest.py``) and adding ``extra``."""
+    flags = " ".join(filter(None, (os.environ.get("XLA_FLAGS"),
+                                   f"--xla_force_host_platform_device_count={n}")))
+    return dict(os.environ, XLA_FLAGS=flags, **extra)
 
 
 def rel_err(out, ref) -> float:

@@ -19,7 +19,8 @@ import functools
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = " ".join(filter(None, (  # the caller's flags kept (the suite's: conftest)
+    os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8")))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -8,10 +8,11 @@ twice as fast, and nothing here is timed against a number.
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
+
+from helpers import devices_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -27,9 +28,7 @@ TINY = {
 
 def run_part(part: str, out: pathlib.Path) -> dict:
     """``multi_gpu.py <part>`` at the ``TINY`` settings; its results JSON."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES} "
-                         "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    env = devices_env(DEVICES, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, str(ROOT / "experiments" / "multi_gpu.py"), part, *TINY[part],
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

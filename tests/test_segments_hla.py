@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, make_inputs, step_outputs
+from helpers import assert_close, devices_env, make_inputs, step_outputs
 
 from hla_jax import ops
 from hla_jax.ops import ahla_family, hla2_family, hla3_family
@@ -219,7 +219,7 @@ def test_sharded_segments_on_8_devices():
     """``seq_axis`` with ``segment_ids`` (hla2, hla3 paper): documents that start inside
     shards, at shard boundaries and span whole shards; tests/sequence_check.py ``segments``."""
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = devices_env(8)
     res = subprocess.run([sys.executable, os.path.join(here, "sequence_check.py"), "segments"],
                          env=env, capture_output=True, text=True, timeout=600)
     report = res.stdout + res.stderr[-3000:]

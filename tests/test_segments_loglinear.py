@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, grads_of, make_gate, make_qkv, rel_err
+from helpers import assert_close, devices_env, grads_of, make_gate, make_qkv, rel_err
 
 from hla_jax.ops import fenwick, linear, loglinear
 
@@ -248,7 +248,7 @@ def test_errors(rng):
 
 def test_sequence_parallel_segments():
     """``seq_axis`` with ``segment_ids`` on 8 emulated devices (this file run as a script)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = devices_env(8)
     res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=HERE,
                          capture_output=True, text=True, timeout=600)
     report = res.stdout + res.stderr[-3000:]

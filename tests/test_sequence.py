@@ -7,6 +7,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import devices_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +24,7 @@ def test_sharded_equals_unsharded_on_8_devices():
     Runs tests/sequence_check.py in its own process: the 8 emulated CPU devices must be set in
     XLA_FLAGS before jax starts.
     """
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = devices_env(8)
     res = subprocess.run([sys.executable, os.path.join(HERE, "sequence_check.py")], env=env,
                          capture_output=True, text=True, timeout=600)
     report = res.stdout + res.stderr[-3000:]

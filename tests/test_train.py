@@ -4,7 +4,6 @@ good checkpoint."""
 
 import importlib.util
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import devices_env
 from jax.experimental.compilation_cache import compilation_cache
 
 from hla_jax import data
@@ -173,8 +173,7 @@ def losses_on_meshes(tmp_path, meshes: dict, small_kw: dict, overrides: dict, ch
     """Train losses (name -> list) of ``small(**small_kw)`` with the flattened ``overrides``
     (e.g. ``{"data.batch_size": 8}``) on each mesh of ``meshes`` (name -> mesh sizes), in a
     subprocess with 8 emulated CPU devices; ``checks``: code run there first (``c`` unset)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    env = devices_env(8, JAX_PLATFORMS="cpu")
     script = MESH_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), checks=checks,
                                 meshes=meshes, small_kw=small_kw, overrides=overrides)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env,
