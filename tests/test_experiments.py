@@ -174,6 +174,21 @@ def test_bench_kernels_runs_a_tiny_shape(tmp_path, monkeypatch):
                             "--out", str(tmp_path)])
 
 
+def test_bench_gdn_inverse_swaps_the_solve_for_the_doubling_inverse(tmp_path):
+    """The UT-inverse benchmark on a tiny shape (the times mean nothing on a CPU): both inverses
+    timed for chunk_terms and the two operators, and the outputs agree between them (so the
+    patched solve was the one used, and it computes the same function)."""
+    from experiments import bench_gdn_inverse
+
+    res = bench_gdn_inverse.main(["--T", "64", "--tokens", "128", "--shape", "2,16,32", "--chunk",
+                                  "16", "--repeats", "1", "--out", str(tmp_path), "--name", "tiny"])
+    assert json.loads((tmp_path / "tiny.json").read_text())["rel_diff"] == res["rel_diff"]
+    names = ("chunk_terms",) + bench_gdn_inverse.OPERATORS
+    assert set(res["rows"]) == {f"{n}/{k}" for n in names for k in ("solve", "doubling")}
+    assert all(r["fwd_bwd_ms"] > 0 and "error" not in r for r in res["rows"].values())
+    assert all(0 < d < 1e-5 for d in res["rel_diff"].values()), res["rel_diff"]
+
+
 def test_set_overrides_the_trained_config_and_names_it():
     """``--set KEY=VALUE`` (mqar.py, and the ``--train`` of position_loss.py / niah.py): typed
     values on dotted keys; the run's label names the HLA options it turned on."""
