@@ -52,19 +52,15 @@ def doubling_solve(L, B, *, lower, unit_diagonal):
     return common.mm(inv, B)
 
 
+@contextlib.contextmanager
 def inverse(kind: str):
     """A context in which ``chunk_terms`` solves with ``kind`` ("solve" | "doubling"); jit caches
     are cleared on entry and exit so that nothing traced under the other one is reused."""
-    patch = (contextlib.nullcontext() if kind == "solve"
-             else mock.patch.object(loglinear_chunked, "solve_triangular", doubling_solve))
-
-    @contextlib.contextmanager
-    def ctx():
-        jax.clear_caches()
-        with patch:
-            yield
-        jax.clear_caches()
-    return ctx()
+    jax.clear_caches()
+    with (contextlib.nullcontext() if kind == "solve"
+          else mock.patch.object(loglinear_chunked, "solve_triangular", doubling_solve)):
+        yield
+    jax.clear_caches()
 
 
 def chunk_terms_fn(c: int):
@@ -93,15 +89,14 @@ def main(argv=None):
     args = inputs(B, T, Shape(*(int(x) for x in a.shape.split(","))))
     make = methods()
     fns = {"chunk_terms": chunk_terms_fn(a.chunk), **{m: make[m]() for m in OPERATORS}}
-    res = dict(device=jax.devices()[0].device_kind, B=B, T=T, shape=a.shape, rows={}, outputs={})
+    res, out = dict(device=jax.devices()[0].device_kind, B=B, T=T, shape=a.shape, rows={}), {}
     for kind in ("solve", "doubling"):
         with inverse(kind):
             for name, fn in fns.items():
                 row = measure(name, fn, args, B, T, a.repeats)
                 res["rows"][f"{name}/{kind}"] = row
                 print(json.dumps(row), flush=True)
-            res["outputs"][kind] = {m: jax.jit(fns[m])(*args[:6]) for m in OPERATORS}
-    out = res.pop("outputs")
+            out[kind] = {m: jax.jit(fns[m])(*args[:6]) for m in OPERATORS}
     res["rel_diff"] = {m: float(jnp.linalg.norm(out["doubling"][m] - out["solve"][m])
                                 / jnp.linalg.norm(out["solve"][m])) for m in OPERATORS}
     print(json.dumps(res["rel_diff"]))
