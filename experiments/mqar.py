@@ -215,17 +215,27 @@ def make_config(args, mixer, dim, pairs, lr):
     return common.quiet(common.apply_set(c, args.set))
 
 
-def draw(sources, seed, split, index, pidx, batch, accum) -> dict:
+def draw(sources, seed, split, index, pidx, batch, accum, flat=False) -> dict:
     """Batch ``index`` of ``split`` for every model, ``[M, accum, batch/accum, T]``: one batch per
     source (a pair count, or a mixture) from key (seed, split, its num_kv_pairs, index), gathered
     by the models' source index ``pidx [M]`` (so the learning rates of one source see the same
-    data)."""
+    data).  The logits are read only at the answers: ``positions [M, accum, b, P]`` per row,
+    padded to the largest count (what the eval's per-row sums need), or with ``flat``
+    ``[M, accum, P]`` flat indices of the micro-batch's answers (``LM.__call__``), padded only to
+    the most answers any micro-batch holds: a mixture's rows need no common width (about 2.6x
+    fewer logits for counts 4-64)."""
     key = jax.random.fold_in(jax.random.key(seed), split)
-    most = max(src.num_kv_pairs for src in sources)  # logits only at the answers (padded to most)
+    most = 0 if flat else max(src.num_kv_pairs for src in sources)
     per = [src.batch(jax.random.fold_in(jax.random.fold_in(key, src.num_kv_pairs), index), batch, most)
            for src in sources]
-    return {k: jnp.stack([b[k] for b in per])[pidx].reshape(pidx.shape[0], accum, batch // accum, -1)
-            for k in per[0]}
+    out = {k: jnp.stack([b[k] for b in per])[pidx].reshape(pidx.shape[0], accum, batch // accum, -1)
+           for k in per[0]}
+    if flat:
+        P = max(int(n.sum()) for src in sources
+                for n in np.split(src.answer_counts(batch), accum))
+        answers = lambda mask: jnp.nonzero(mask.reshape(-1), size=P, fill_value=0)[0]  # 0: a key
+        out["positions"] = jax.vmap(jax.vmap(answers))(out["mask"]).astype(jnp.int32)
+    return out
 
 
 class Program:
@@ -290,7 +300,7 @@ class Program:
         b, accum, seed = c.data.batch_size, c.optim.grad_accum, c.data.seed
 
         def train(state, rest, scale, pidx, step):
-            batch = draw(self.train_sources, seed, data_lib.TRAIN, step, pidx, b, accum)
+            batch = draw(self.train_sources, seed, data_lib.TRAIN, step, pidx, b, accum, flat=True)
             params, opt_state, metrics = train_step(state["params"], state["opt_state"], rest, scale, batch)
             return {"params": params, "opt_state": opt_state}, metrics
 

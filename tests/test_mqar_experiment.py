@@ -252,6 +252,38 @@ def test_mqar_mixture_batch_mixes_every_pair_count():
         data.synthetic.MQARMixture(sources).batch(key, 2)
 
 
+@pytest.mark.parametrize("mixture,accum", [(True, 1), (True, 2), (False, 2)])
+def test_flat_answer_positions_give_the_padded_loss(mixture, accum):
+    """``draw(flat=True)``'s flat answer indices per micro-batch (what training reads) cover
+    every answer once, padded only to the fullest micro-batch, and give the same loss as the
+    per-row positions padded to the largest count (what the eval reads)."""
+    from flax import nnx
+
+    from hla_jax.nn import LM, ModelConfig
+    from hla_jax.train import steps
+
+    counts, size = (1, 4, 2), 6
+    sources = [data.MQAR(32, 64, n) for n in counts]
+    sources = [data.synthetic.MQARMixture(sources)] if mixture else sources
+    pidx = np.arange(len(sources))
+    flat = jax.device_get(mqar.draw(sources, 0, data.TRAIN, 5, pidx, size, accum, flat=True))
+    rows = jax.device_get(mqar.draw(sources, 0, data.TRAIN, 5, pidx, size, accum))
+    for k in ("inputs", "targets", "mask"):
+        np.testing.assert_array_equal(flat[k], rows[k], err_msg=k)
+    per_micro = rows["mask"].sum((-2, -1))
+    assert flat["positions"].shape == (len(sources), accum, per_micro.max())
+    picked = np.take_along_axis(flat["mask"].reshape(*per_micro.shape, -1), flat["positions"], -1)
+    np.testing.assert_array_equal(picked.sum(-1), per_micro)
+    model = LM(ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=1,
+                           mixer_pattern=("linear",)), rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    for m in range(len(sources)):
+        for a in range(accum):
+            at = lambda b: {k: v[m, a] for k, v in b.items()}
+            assert_close(steps.loss_fn(params, graphdef, rest, at(flat)),
+                         steps.loss_fn(params, graphdef, rest, at(rows)), 1e-6, f"model {m} micro {a}")
+
+
 def _program(tmp_path, name, models, target):
     args = mqar.parse_args(TINY + ["--mixers", "softmax", "--target", repr(target),
                                    "--compact_steps", "0"])

@@ -49,6 +49,10 @@ class MQAR:
         mask[2 * n + gaps] = True
         return inputs, targets, mask
 
+    def answer_counts(self, size: int) -> np.ndarray:
+        """``[size]``: the answers (loss-mask ones) in each row of a ``batch`` of ``size``."""
+        return np.full(size, self.num_kv_pairs)
+
     def batch(self, key, size: int, positions: int = 0) -> dict:
         """``size`` examples from ``jax.random`` key ``key``, distributed as ``example``'s: dict
         ``inputs, targets`` int32 and ``mask`` float32, each ``[size, T]`` (jittable); with
@@ -96,6 +100,10 @@ class MQARMixture:
             raise ValueError("MQARMixture sources must share seq_len")
         self.seq_len = self.sources[0].seq_len
         self.num_kv_pairs = max(src.num_kv_pairs for src in self.sources)
+
+    def answer_counts(self, size: int) -> np.ndarray:
+        """``[size]``: row ``r`` holds source ``r mod C``'s ``num_kv_pairs`` answers."""
+        return np.asarray([self.sources[r % len(self.sources)].num_kv_pairs for r in range(size)])
 
     def batch(self, key, size: int, positions: int = 0) -> dict:
         """``MQAR.batch`` of ``size`` rows, source ``c``'s rows drawn from ``fold_in(key, its

@@ -73,14 +73,18 @@ class LM(nnx.Module):
     def __call__(self, tokens, positions=None, segment_ids=None):
         """``tokens: [B,T] int -> logits [B,T,vocab] float32``; with ``positions: [B,P] int``
         only the logits there, ``[B,P,vocab]`` (a loss read at a few positions skips the rest
-        of the vocabulary projection).  ``segment_ids: [B,T] int``: packed documents
+        of the vocabulary projection); ``positions: [P] int`` are flat indices ``b·T + t`` into
+        the batch (rows with different numbers of scored positions, no padding per row),
+        ``[P,vocab]``.  ``segment_ids: [B,T] int``: packed documents
         (consecutive equal ids form one document, SPEC §8); each document's logits are those
         it would get alone."""
         segment_ids = common.check_segment_ids(segment_ids, *tokens.shape, name="LM")
         x = self._embed(tokens)
         for block in self.blocks:
             x = block(x, segment_ids)
-        if positions is not None:
+        if positions is not None and positions.ndim == 1:
+            x = x.reshape(-1, x.shape[-1])[positions]
+        elif positions is not None:
             x = jnp.take_along_axis(x, positions[..., None], axis=1)
         return self._logits(x)
 

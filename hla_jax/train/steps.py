@@ -15,17 +15,21 @@ from flax import nnx
 
 def scored(batch):
     """``(targets, mask)`` where the loss is read: every position ``[b,T]``, or only at
-    ``positions [b,P]`` when the batch has them (e.g. MQAR's answers; padding entries point at
-    a position whose mask is 0)."""
+    ``positions`` when the batch has them (e.g. MQAR's answers): ``[b,P]`` per row, or ``[P]``
+    flat indices ``row·T + t`` (``LM.__call__``); padding entries point at a position whose
+    mask is 0."""
     if "positions" not in batch:
         return batch["targets"], batch["mask"]
-    at = lambda x: jnp.take_along_axis(x, batch["positions"], axis=1)
+    if batch["positions"].ndim == 1:
+        at = lambda x: x.reshape(-1)[batch["positions"]]
+    else:
+        at = lambda x: jnp.take_along_axis(x, batch["positions"], axis=1)
     return at(batch["targets"]), at(batch["mask"])
 
 
 def token_nll(model, batch):
     """``(nll, correct)``: −log p(target) and argmax == target, float32, at the ``scored``
-    positions (``[b,T]``, or ``[b,P]`` with ``positions``)."""
+    positions (``[b,T]``, or ``[b,P]`` / ``[P]`` with ``positions``)."""
     logits = model(batch["inputs"], batch.get("positions"),
                    batch.get("segment_ids")).astype(jnp.float32)
     targets, _ = scored(batch)
