@@ -277,11 +277,10 @@ def test_flat_answer_positions_give_the_padded_loss(mixture, accum):
     model = LM(ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=1,
                            mixer_pattern=("linear",)), rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss = lambda b, m, a: steps.loss_fn(params, graphdef, rest, {k: v[m, a] for k, v in b.items()})
     for m in range(len(sources)):
         for a in range(accum):
-            at = lambda b: {k: v[m, a] for k, v in b.items()}
-            assert_close(steps.loss_fn(params, graphdef, rest, at(flat)),
-                         steps.loss_fn(params, graphdef, rest, at(rows)), 1e-6, f"model {m} micro {a}")
+            assert_close(loss(flat, m, a), loss(rows, m, a), 1e-6, f"model {m} micro {a}")
 
 
 def _program(tmp_path, name, models, target):
