@@ -21,7 +21,9 @@ Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
 - only when named in ``--methods``: log-linear Mamba-2's block form (``loglinear_mamba2_blocks``:
   ``impl="chunked"``, ``ops.loglinear_blocks``) and its Pallas kernels (``loglinear_mamba2_pallas``),
   log-linear Gated DeltaNet's kernel and block form (``loglinear_gdn_pallas``,
-  ``loglinear_gdn_blocks``: ``impl="chunked"``, ``ops.loglinear_gdn_blocks``) and the wheel's plain-JAX
+  ``loglinear_gdn_blocks``: ``impl="chunked"``, ``ops.loglinear_gdn_blocks``; ``loglinear_gdn_blocks_ut``:
+  the same block form with its chunk terms from the first-order kernel's UT transform,
+  ``terms="kernel"``) and the wheel's plain-JAX
   ``jla_log_linear_simple_gla``, which runs out of memory at B·T = 65536, so it and a twin row of
   our kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384 (``SMALL_TOKENS``); and the
   two log-linear operators continuing a state at position ``T`` (``loglinear_mamba2_state_pallas``,
@@ -58,7 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax import kernels, ops
-from hla_jax.ops import fenwick
+from hla_jax.ops import fenwick, loglinear_gdn_blocks
 
 HLA = ("hla2", "ahla", "hla3")
 
@@ -216,6 +218,8 @@ def methods(loglinear_kw=None):
                                        kernels.loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam)),
         "loglinear_gdn_blocks": _ready(lambda q, k, v, g, beta, lam: ops.loglinear_gated_deltanet(
             q, k, v, g, beta, lam, impl="chunked")),
+        "loglinear_gdn_blocks_ut": _ready(lambda q, k, v, g, beta, lam: loglinear_gdn_blocks.blocks(
+            q, k, v, g, beta, lam, 64, "kernel")),
         "jla_log_linear_simple_gla": _jla("log_linear_simple_gla", "chunked", _jla_level_scales),
         **{f"{short}_state_{impl}": _from_state(name, impl)
            for short, name in (("loglinear_mamba2", "loglinear_mamba2"),

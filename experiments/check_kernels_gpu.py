@@ -24,7 +24,9 @@ Kernels (``CASES``), compiled, not interpreted:
   composed with one first-order pass, against the float64 recurrence from the same state);
 - ``loglinear_mamba2_blocks``, ``loglinear_gated_deltanet_blocks``: ``ops.<name>(impl="chunked")``,
   the block forms (``ops.loglinear_blocks``, ``ops.loglinear_gdn_blocks``: XLA matmuls, no kernel
-  of their own), GPU numerics checked the same way.
+  of their own), GPU numerics checked the same way;
+- ``loglinear_gated_deltanet_blocks_ut``: ``ops.loglinear_gdn_blocks.blocks(terms="kernel")``, that
+  block form with its chunk terms from the first-order kernel's Triton UT transform.
 
 Gates ``g``: per token (``token``), per head (``head``), none, or per token with −∞ entries
 (``reset``: in batch element 0 only, at chunk boundaries and at random, so the other element
@@ -61,15 +63,16 @@ import numpy as np
 
 from hla_jax import kernels, ops
 from hla_jax.kernels import wrap
-from hla_jax.ops import common, fenwick, reference
+from hla_jax.ops import common, fenwick, loglinear_gdn_blocks, reference
 from hla_jax.ops.ssm import LevelState
 
 HLA = ("hla2", "ahla", "hla3")
 LOGLINEAR = ("loglinear_mamba2", "loglinear_gated_deltanet")
 BLOCKS = ("loglinear_mamba2_blocks", "loglinear_gated_deltanet_blocks")  # impl="chunked", XLA
-WITH_LAM = LOGLINEAR + BLOCKS
+BLOCKS_UT = "loglinear_gated_deltanet_blocks_ut"  # the GDN block form on the UT kernel's terms
+WITH_LAM = LOGLINEAR + BLOCKS + (BLOCKS_UT,)
 # keys L2-normalised, a β
-DELTA = ("gated_deltanet", "loglinear_gated_deltanet", "loglinear_gated_deltanet_blocks")
+DELTA = ("gated_deltanet", "loglinear_gated_deltanet", "loglinear_gated_deltanet_blocks", BLOCKS_UT)
 RESETS = (64, 127, 500)  # positions of −∞ log-decays in a "reset" gate (chunk starts and ends)
 DOCS = (300, 1, 137, 64, 211)  # document lengths of a "docs" row, in turn
 STATE_T0 = (3000, 77)  # the rows' positions in a "state" case (3000: not aligned to 2^10)
@@ -110,6 +113,8 @@ CASES = [
     *[Case(n, 1, 1000, 2, 128, 128, "aligned", False, "bfloat16") for n in DELTA],
     *[Case(n, 2, 1000, 2, 128, 128, "state", False, dt)
       for n in LOGLINEAR for dt in ("bfloat16", "float32")],
+    *[Case(BLOCKS_UT, B, T, 2, 128, 128, gate, False, "bfloat16")
+      for B, T, gate in ((2, 1000, "reset"), (1, 1600, "token"), (1, 1000, "aligned"))],
 ]
 
 
@@ -216,6 +221,8 @@ def kernel_fn(case):
     if case.kernel in BLOCKS:
         op = getattr(ops, case.kernel.removesuffix("_blocks"))
         return lambda *a: (op(*a, impl="chunked"),)
+    if case.kernel == BLOCKS_UT:
+        return lambda *a: (loglinear_gdn_blocks.blocks(*a, 64, "kernel"),)
     return lambda *a: (getattr(kernels, f"{case.kernel}_pallas")(*a),)
 
 
@@ -243,7 +250,7 @@ def reference_fn(case):
             g = None if g is None else jnp.broadcast_to(g, q.shape[:3])
             return (getattr(reference, case.kernel)(q, k, v, g, normalize=case.normalize, eps=1e-6),)
         return hla
-    return lambda *a: (getattr(reference, case.kernel.removesuffix("_blocks"))(*a),)
+    return lambda *a: (getattr(reference, case.kernel.removesuffix("_ut").removesuffix("_blocks"))(*a),)
 
 
 def run_case(rng, case) -> dict:

@@ -77,6 +77,54 @@ def test_bf16_keys_around_one_direction(rng):
     _check(rng, (q, k, v, g * 0.01, jnp.full_like(g, 0.95), lam), ker, 1e-2)
 
 
+def _blocks_on_ut(*args):
+    """The block form with its chunk terms from the UT kernel (Triton interpreter on CPU)."""
+    from hla_jax.ops import loglinear_gdn_blocks
+    return loglinear_gdn_blocks.blocks(*args, 64, "kernel")
+
+
+@pytest.mark.parametrize("B,T,H,d,dv", [
+    (1, 100, 2, 16, 24),   # T not a multiple of the chunk, dv padded to 64 (+64 identity columns)
+    (1, 300, 1, 32, 64),   # 5 chunks: 3 chunk levels
+])
+def test_block_form_on_the_ut_kernel_matches_reference(rng, B, T, H, d, dv):
+    """``loglinear_gdn_blocks.blocks(terms="kernel")``: outputs and all six gradients (the gate's
+    through ``∂L/∂b = w·dW + u·dU − v·dV``, ``T``'s cotangent through identity value columns)."""
+    _check(rng, _inputs(rng, B, T, H, d, dv), _blocks_on_ut)
+
+
+def test_block_form_on_the_ut_kernel_bf16_and_reset(rng):
+    """bf16 inputs against the float32 reference on the rounded values; a −∞ reset (floored by
+    the kernel) keeps everything finite and cuts the past off."""
+    q, k, v, g, beta, lam = _inputs(rng, 1, 128, 2, 16, 64)
+    q, k, v = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v))
+    bf16 = lambda x: x.astype(jnp.bfloat16)
+    ker = lambda q, k, v, *a: _blocks_on_ut(bf16(q), bf16(k), bf16(v), *a)
+    _check(rng, (q, k, v, g, beta, lam), ker, 3e-2)
+    g = g.at[:, 64].set(-jnp.inf)
+    out = _blocks_on_ut(q, k, v, g, beta, lam)
+    tail = _blocks_on_ut(*(x[:, 64:] for x in (q, k, v, g.at[:, 64].set(0.0), beta, lam[..., :7])))
+    assert_close(out[:, 64:], tail, 1e-5)
+    w = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    for x in grads_of(_blocks_on_ut, (q, k, v, g, beta, lam), tuple(range(6)), w):
+        assert np.all(np.isfinite(np.asarray(x)))
+    with pytest.raises(ValueError, match="chunk_size=64"):
+        from hla_jax.ops import loglinear_gdn_blocks
+        loglinear_gdn_blocks.blocks(q, k, v, g, beta, lam, 32, "kernel")
+
+
+def test_block_form_ut_terms_lower_for_cuda():
+    """The kernel chunk terms, forward and backward, go through the real Triton lowering at the
+    benchmark's head dim 128 (the backward's 128 + 64 value columns in tiles of 64)."""
+    from hla_jax.kernels import gdn_blocks
+
+    x = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((1, 256, 2), jnp.float32)
+    loss = lambda *a: sum(jnp.sum(t) for t in gdn_blocks.chunk_terms(*a, 256, interpret=False))
+    text = lower_for("cuda", jax.grad(loss, argnums=range(5)), x, x, x, s, s)
+    assert text.count("__gpu$xla.gpu.triton") == 2, "the UT transform and its backward"
+
+
 def test_reset_gate_stays_finite(rng):
     """A log-decay of -inf (a state reset) keeps the kernel and its gradients finite, and the
     tokens after it see nothing before it (the cut at 32 keeps the Fenwick levels of T = 64)."""

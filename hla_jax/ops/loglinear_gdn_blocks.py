@@ -75,12 +75,14 @@ def _levels(Qh, Pi, Z, Lam, lc: int, N: int, dot):
     return out
 
 
-def blocks(q, k, v, g, beta, lam, chunk_size: int = 64):
+def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     """Log-linear Gated DeltaNet ``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_sᵀ``
     in the block form (module docstring): ``q, k [B,T,H,d]`` (keys L2-normalised by the caller),
     ``v [B,T,H,dv]``, ``g, beta [B,T,H]``, ``lam [B,T,H,L ≥ fenwick.num_levels(T)]``,
     ``chunk_size`` a power of two -> ``[B,T,H,dv]`` in the state dtype (float32; float64 for
-    float64 inputs)."""
+    float64 inputs).  ``terms="kernel"``: the per-chunk terms from the first-order kernel's UT
+    transform (``kernels.gdn_blocks``; chunk 64, ``d`` a power of two ≥ 16; the Triton
+    interpreter on CPU; log-decays floored at ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
     B, T, H, d = q.shape
     c, lc = chunk_size, fenwick.chunk_log2(chunk_size)
     N = -(-T // c)
@@ -89,8 +91,15 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64):
     dot = functools.partial(_low, dtype=q.dtype) if low else common.ein
     Q, K, V, G, Beta, Lam = (heads_first(x, N * c, dt) for x in (q, k, v, g, beta, lam))
     chunk = lambda x: x.reshape(x.shape[:2] + (N, c) + x.shape[3:])      # noqa: E731
-    M, Qh, A_c, Kw = chunk_terms(*(chunk(x) for x in (Q, K, V, G, Beta)))
-    Z = common.ein("...cd,...cv->...dv", Kw, chunk(V))
+    if terms == "kernel":
+        from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
+        if c != gdn_blocks.C or dt != jnp.float32:
+            raise ValueError(f"loglinear_gdn_blocks: terms='kernel' takes chunk_size={gdn_blocks.C} "
+                             f"and float32 or 16-bit inputs, got {chunk_size} and {dt}")
+        M, Qh, A_c, Z = gdn_blocks.chunk_terms(q, k, v, g, beta, N * c)
+    else:
+        M, Qh, A_c, Kw = chunk_terms(*(chunk(x) for x in (Q, K, V, G, Beta)))
+        Z = common.ein("...cd,...cv->...dv", Kw, chunk(V))
     out = window(chunk(Lam), M, chunk(V), fenwick.level_table(c)).reshape(B, H, N * c, -1)
     out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, lc, N, dot)
     return jnp.moveaxis(out, 1, 2)[:, :T]

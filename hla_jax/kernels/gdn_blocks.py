@@ -1,0 +1,91 @@
+"""The per-chunk terms of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``)
+from the first-order kernel's Triton UT transform (``kernels/gpu/gdn_ut.py``) instead of XLA's
+batched triangular solve (``loglinear_chunked.chunk_terms``).
+
+Per chunk of ``C = 64`` tokens, with ``ρ = exp(b)`` (``b`` the chunk-local cumulative log-decay,
+floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``), ``K̃ = (ρ_c/ρ)∘K``::
+
+    T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β),   W = T(ρ∘K),   U = T V     (the kernel)
+    P = (Q Kᵀ) ∘ Γ,   M = P T,   Q̂ = ρ∘Q − P W,   A_c = ρ_c I − K̃ᵀ W,   Z = K̃ᵀ U    (XLA)
+
+The kernel's backward takes ``dW`` and ``dU`` for ``b`` held fixed.  ``T``'s own cotangent
+``dT`` (from ``M``) enters as ``C`` more value columns: ``T = T I``, so the backward runs on
+``V_ext = [V | I]`` with ``dU_ext = [dU | dT]``.  The gate's part follows from
+``T = D_ρ T₀ D_ρ⁻¹`` (``T₀`` gate-free): ``W_τ = ρ_τ (T₀K)_τ`` and ``U = D_ρ T₀ D_ρ⁻¹ V``, so
+``∂L/∂b = w·dW + u·dU − v·dV`` per token, over ``V_ext``'s columns (``w·dW`` and ``v·dV`` are
+sums the kernel already returns).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from hla_jax.kernels import wrap
+from hla_jax.kernels.gpu import gdn_ut
+from hla_jax.kernels.gpu.la_mgpu import F32, C
+from hla_jax.ops import common
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def ut(k, v, b, beta, interpret):
+    """``(W [B,Tp,H,d], U [B,Tp,H,dv]`` in ``k``'s dtype, ``T [B,H,Tp,C]`` float32: row ``τ``,
+    its chunk's column ``σ``) from ``k [B,Tp,H,d]``, ``v [B,Tp,H,dv]`` (``dv`` a multiple of 64),
+    ``b, beta [B,H,Tp]`` float32."""
+    return _ut_fwd(k, v, b, beta, interpret)[0]
+
+
+def _ut_fwd(k, v, b, beta, interpret):
+    w, u, x = gdn_ut.forward(k, v, b, beta, interpret=interpret)
+    B, H, Tp = b.shape
+    t = (x.reshape(B, H, Tp // C, C, C) * beta.reshape(B, H, Tp // C, 1, C)).reshape(B, H, Tp, C)
+    return (w, u, t), (k, v, b, beta, w, u, x, t)
+
+
+def _ut_bwd(interpret, res, cts):
+    k, v, b, beta, w, u, x, t = res
+    dw, du, dt = cts
+    B, Tp, H, _ = k.shape
+    eye = jnp.tile(jnp.eye(C, dtype=v.dtype), (Tp // C, 1))[None, :, None, :]
+    v_ext = jnp.concatenate([v, jnp.broadcast_to(eye, (B, Tp, H, C))], -1)
+    du_ext = jnp.concatenate([du.astype(F32), jnp.swapaxes(dt, 1, 2)], -1)
+    dk, dv, dbeta, wdw, vdv = gdn_ut.backward(k, v_ext, w, b, beta, x, dw.astype(F32)[None],
+                                              du_ext, jnp.zeros((1,) + k.shape, F32),
+                                              interpret=interpret)
+    udu = jnp.swapaxes(jnp.sum(u.astype(F32) * du.astype(F32), -1), 1, 2) + jnp.sum(t * dt, -1)
+    return dk, dv[..., :v.shape[-1]], wdw + udu - vdv, dbeta
+
+
+ut.defvjp(_ut_fwd, _ut_bwd)
+
+
+def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
+    """``(M [B,H,N,C,C], Q̂ [B,H,N,C,d], A_c [B,H,N,d,d], Z [B,H,N,d,dv])`` float32 (module
+    docstring; ``loglinear_chunked.chunk_terms`` with ``Z = K_wᵀ V``) for ``q, k [B,T,H,d]``,
+    ``v [B,T,H,dv]``, ``g, beta [B,T,H]``, zero-padded to ``Tp`` tokens (a multiple of ``C``).
+    ``interpret=None``: the Triton interpreter on CPU (which also takes float32 inputs)."""
+    B, T, H, d = q.shape
+    dv, N = v.shape[-1], Tp // C
+    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    if not interpret and jnp.dtype(k.dtype).itemsize != 2:
+        raise ValueError(f"gdn_blocks.chunk_terms: compiled, the UT kernel takes 16-bit q, k, v "
+                         f"(as kernels.gated_deltanet_pallas), got {k.dtype}")
+    per_token = lambda x: jnp.swapaxes(jnp.pad(x.astype(F32), ((0, 0), (0, Tp - T), (0, 0))), 1, 2)
+    G = jnp.maximum(per_token(g), wrap.LOG_DECAY_FLOOR)                     # [B,H,Tp]
+    w, u, t = ut(wrap.pad(k, Tp, d), wrap.pad(v, Tp, -(-dv // 64) * 64),
+                 jnp.cumsum(G.reshape(B, H, N, C), -1).reshape(B, H, Tp), per_token(beta),
+                 bool(interpret))
+    chunk = lambda x: x.reshape(B, H, N, C, *x.shape[3:])
+    first = lambda x: chunk(jnp.swapaxes(wrap.pad(x, Tp, x.shape[-1]), 1, 2).astype(F32))
+    Q, K, W, U = first(q), first(k), first(w), first(u)[..., :dv]
+    G = chunk(G)
+    rho = jnp.exp(jnp.cumsum(G, -1))                                         # ρ_τ
+    Kt = common.decay_matrix(G)[..., -1, :, None] * K                        # K̃ = (ρ_c/ρ)∘K
+    P = common.ein("...td,...sd->...ts", Q, K) * common.decay_matrix(G)
+    A_c = (rho[..., -1, None, None] * jnp.eye(d, dtype=F32)
+           - common.ein("...cd,...ce->...de", Kt, W))
+    return (common.ein("...ts,...sr->...tr", P, chunk(t)),
+            rho[..., None] * Q - common.ein("...ts,...sd->...td", P, W), A_c,
+            common.ein("...cd,...cv->...dv", Kt, U))
