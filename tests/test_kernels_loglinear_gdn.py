@@ -85,7 +85,7 @@ def _blocks_on_ut(*args):
 
 @pytest.mark.parametrize("B,T,H,d,dv", [
     (1, 100, 2, 16, 24),   # T not a multiple of the chunk, dv padded to 64 (+64 identity columns)
-    (1, 300, 1, 32, 64),   # 5 chunks: 3 chunk levels
+    (1, 200, 1, 16, 64),   # 4 chunks: 2 chunk levels, one value tile + the identity's
 ])
 def test_block_form_on_the_ut_kernel_matches_reference(rng, B, T, H, d, dv):
     """``loglinear_gdn_blocks.blocks(terms="kernel")``: outputs and all six gradients (the gate's
