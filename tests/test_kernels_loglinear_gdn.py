@@ -111,6 +111,8 @@ def test_block_form_on_the_ut_kernel_bf16_and_reset(rng):
     with pytest.raises(ValueError, match="chunk_size=64"):
         from hla_jax.ops import loglinear_gdn_blocks
         loglinear_gdn_blocks.blocks(q, k, v, g, beta, lam, 32, "kernel")
+    with pytest.raises(ValueError, match="terms must be"):
+        loglinear_gdn_blocks.blocks(q, k, v, g, beta, lam, 64, "triton")
 
 
 def test_block_form_ut_terms_lower_for_cuda():

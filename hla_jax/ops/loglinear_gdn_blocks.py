@@ -83,6 +83,8 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     float64 inputs).  ``terms="kernel"``: the per-chunk terms from the first-order kernel's UT
     transform (``kernels.gdn_blocks``; chunk 64, ``d`` a power of two ≥ 16; the Triton
     interpreter on CPU; log-decays floored at ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
+    if terms not in ("xla", "kernel"):
+        raise ValueError(f"loglinear_gdn_blocks: terms must be 'xla' or 'kernel', got {terms!r}")
     B, T, H, d = q.shape
     c, lc = chunk_size, fenwick.chunk_log2(chunk_size)
     N = -(-T // c)
