@@ -89,8 +89,13 @@ def _blocks_on_ut(*args):
 ])
 def test_block_form_on_the_ut_kernel_matches_reference(rng, B, T, H, d, dv):
     """``loglinear_gdn_blocks.blocks(terms="kernel")``: outputs and all six gradients (the gate's
-    through ``∂L/∂b = w·dW + u·dU − v·dV``, ``T``'s cotangent through identity value columns)."""
-    _check(rng, _inputs(rng, B, T, H, d, dv), _blocks_on_ut)
+    through ``∂L/∂b = w·dW + u·dU − v·dV``, ``T``'s cotangent through identity value columns),
+    and the same outputs as the XLA terms to float32 rounding."""
+    from hla_jax.ops import loglinear_gdn_blocks
+
+    args = _inputs(rng, B, T, H, d, dv)
+    _check(rng, args, _blocks_on_ut)
+    assert_close(_blocks_on_ut(*args), loglinear_gdn_blocks.blocks(*args, 64, "xla"), 1e-5)
 
 
 def test_block_form_on_the_ut_kernel_bf16_and_reset(rng):
