@@ -8,9 +8,9 @@ floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``
     T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β),   W = T(ρ∘K),   U = T V     (the kernel)
     P = (Q Kᵀ) ∘ Γ,   M = P T,   Q̂ = ρ∘Q − P W,   A_c = ρ_c I − K̃ᵀ W,   Z = K̃ᵀ U    (XLA)
 
-The kernel's backward takes ``dW`` and ``dU`` for ``b`` held fixed.  ``T``'s own cotangent
-``dT`` (from ``M``) enters as ``C`` more value columns: ``T = T I``, so the backward runs on
-``V_ext = [V | I]`` with ``dU_ext = [dU | dT]``.  The gate's part follows from
+(XLA's part: ``loglinear_chunked.delta_terms``.)  The kernel's backward takes ``dW`` and ``dU``
+for ``b`` held fixed.  ``T``'s own cotangent ``dT`` (from ``M``) enters as ``C`` more value
+columns: ``T = T I``, so the backward runs on ``V_ext = [V | I]`` with ``dU_ext = [dU | dT]``.  The gate's part follows from
 ``T = D_ρ T₀ D_ρ⁻¹`` (``T₀`` gate-free): ``W_τ = ρ_τ (T₀K)_τ`` and ``U = D_ρ T₀ D_ρ⁻¹ V``, so
 ``∂L/∂b = w·dW + u·dU − v·dV`` per token, over ``V_ext``'s columns (``w·dW`` and ``v·dV`` are
 sums the kernel already returns).
@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from hla_jax.kernels import wrap
 from hla_jax.kernels.gpu import gdn_ut
 from hla_jax.kernels.gpu.la_mgpu import F32, C
-from hla_jax.ops import common
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -61,31 +60,21 @@ def _ut_bwd(interpret, res, cts):
 ut.defvjp(_ut_fwd, _ut_bwd)
 
 
-def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
-    """``(M [B,H,N,C,C], Q̂ [B,H,N,C,d], A_c [B,H,N,d,d], Z [B,H,N,d,dv])`` float32 (module
-    docstring; ``loglinear_chunked.chunk_terms`` with ``Z = K_wᵀ V``) for ``q, k [B,T,H,d]``,
-    ``v [B,T,H,dv]``, ``g, beta [B,T,H]``, zero-padded to ``Tp`` tokens (a multiple of ``C``).
-    ``interpret=None``: the Triton interpreter on CPU (which also takes float32 inputs)."""
-    B, T, H, d = q.shape
+def ut_chunks(k, v, g, beta, Tp: int, interpret=None):
+    """``(G [B,H,N,C], T [B,H,N,C,C], W [B,H,N,C,d], U [B,H,N,C,dv])`` float32 per chunk, heads
+    first, for ``k [B,T,H,d]``, ``v [B,T,H,dv]``, ``g, beta [B,T,H]`` zero-padded to ``Tp`` tokens
+    (a multiple of ``C``): the log-decays ``G`` as floored here, and the UT kernel's ``T``, ``W``,
+    ``U`` (``loglinear_chunked.delta_terms`` forms the rest).  ``interpret=None``: the Triton
+    interpreter on CPU (which also takes float32 inputs)."""
+    B, T, H, d = k.shape
     dv, N = v.shape[-1], Tp // C
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
     if not interpret and jnp.dtype(k.dtype).itemsize != 2:
-        raise ValueError(f"gdn_blocks.chunk_terms: compiled, the UT kernel takes 16-bit q, k, v "
+        raise ValueError(f"gdn_blocks.ut_chunks: compiled, the UT kernel takes 16-bit k, v "
                          f"(as kernels.gated_deltanet_pallas), got {k.dtype}")
     per_token = lambda x: jnp.swapaxes(jnp.pad(x.astype(F32), ((0, 0), (0, Tp - T), (0, 0))), 1, 2)
-    G = jnp.maximum(per_token(g), wrap.LOG_DECAY_FLOOR)                     # [B,H,Tp]
+    G = jnp.maximum(per_token(g), wrap.LOG_DECAY_FLOOR).reshape(B, H, N, C)
     w, u, t = ut(wrap.pad(k, Tp, d), wrap.pad(v, Tp, -(-dv // 64) * 64),
-                 jnp.cumsum(G.reshape(B, H, N, C), -1).reshape(B, H, Tp), per_token(beta),
-                 bool(interpret))
-    chunk = lambda x: x.reshape(B, H, N, C, *x.shape[3:])
-    first = lambda x: chunk(jnp.swapaxes(wrap.pad(x, Tp, x.shape[-1]), 1, 2).astype(F32))
-    Q, K, W, U = first(q), first(k), first(w), first(u)[..., :dv]
-    G = chunk(G)
-    rho = jnp.exp(jnp.cumsum(G, -1))                                         # ρ_τ
-    Kt = common.decay_matrix(G)[..., -1, :, None] * K                        # K̃ = (ρ_c/ρ)∘K
-    P = common.ein("...td,...sd->...ts", Q, K) * common.decay_matrix(G)
-    A_c = (rho[..., -1, None, None] * jnp.eye(d, dtype=F32)
-           - common.ein("...cd,...ce->...de", Kt, W))
-    return (common.ein("...ts,...sr->...tr", P, chunk(t)),
-            rho[..., None] * Q - common.ein("...ts,...sd->...td", P, W), A_c,
-            common.ein("...cd,...cv->...dv", Kt, U))
+                 jnp.cumsum(G, -1).reshape(B, H, Tp), per_token(beta), bool(interpret))
+    chunk = lambda x: jnp.swapaxes(x, 1, 2).astype(F32).reshape(B, H, N, C, -1)
+    return G, t.reshape(B, H, N, C, C), chunk(w), chunk(u)[..., :dv]

@@ -27,25 +27,34 @@ def chunk_terms(Q, K, V, G, Beta):
     is ``K_wᵀ V``, linear in V):
       Mamba-2:       M = (QKᵀ)∘Γ,  Q̂ = γ∘Q,          A_c = γ_c,            K_w = K̃
       Gated DeltaNet (UT transform ``T = (I + strict_tril(diag(β)(KKᵀ)∘Γ))⁻¹ diag(β)``,
-      ``W = T(γ∘K)``): M = ((QKᵀ)∘Γ) T,  Q̂ = γ∘Q − ((QKᵀ)∘Γ) W,
-      A_c = γ_c I − K̃ᵀ W,  K_w = Tᵀ K̃ (own = K̃ᵀ T V);   with ``K̃ = (γ_c/γ)∘K``.
+      ``W = T(γ∘K)``): ``delta_terms`` and ``K_w = Tᵀ K̃`` (own = K̃ᵀ T V);
+    with ``K̃ = (γ_c/γ)∘K``.
     """
     Gam = common.decay_matrix(G)                     # Γ: [..., c, c]
     gamma = jnp.exp(jnp.cumsum(G, axis=-1))          # γ_τ = D(τ, −1)
-    Kt = Gam[..., -1, :, None] * K                   # K̃ = (γ_c / γ) ∘ K
-    gamma_c = gamma[..., -1, None, None]
-    P = common.ein("...td,...sd->...ts", Q, K) * Gam
     if Beta is None:
-        return P, gamma[..., None] * Q, gamma_c, Kt
-    c, d = K.shape[-2:]
+        return (common.ein("...td,...sd->...ts", Q, K) * Gam, gamma[..., None] * Q,
+                gamma[..., -1, None, None], Gam[..., -1, :, None] * K)
+    c = K.shape[-2]
     eye = jnp.eye(c, dtype=K.dtype)
     strict = jnp.tril(Beta[..., :, None] * common.ein("...td,...sd->...ts", K, K) * Gam, -1)
     Tm = solve_triangular(eye + strict, eye * Beta[..., None, :], lower=True, unit_diagonal=True)
-    W = common.ein("...ts,...sd->...td", Tm, gamma[..., None] * K)
-    Qh = gamma[..., None] * Q - common.ein("...ts,...sd->...td", P, W)
-    A_c = gamma_c * jnp.eye(d, dtype=K.dtype) - common.ein("...cd,...ce->...de", Kt, W)
-    return (common.ein("...ts,...sr->...tr", P, Tm), Qh, A_c,
-            common.ein("...ts,...td->...sd", Tm, Kt))
+    M, Qh, A_c, Kt = delta_terms(Q, K, G, Tm, common.ein("...ts,...sd->...td", Tm, gamma[..., None] * K))
+    return M, Qh, A_c, common.ein("...ts,...td->...sd", Tm, Kt)
+
+
+def delta_terms(Q, K, G, Tm, W):
+    """Gated DeltaNet's ``(M, Q̂, A_c, K̃)`` of one chunk given its UT transform ``Tm [..., c, c]``
+    and ``W = T(γ∘K) [..., c, d]`` (however computed: ``chunk_terms`` or the UT kernel):
+    ``P = (QKᵀ)∘Γ``, ``M = P T``, ``Q̂ = γ∘Q − P W``, ``A_c = γ_c I − K̃ᵀ W``, ``K̃ = (γ_c/γ)∘K``."""
+    Gam = common.decay_matrix(G)
+    gamma = jnp.exp(jnp.cumsum(G, axis=-1))
+    Kt = Gam[..., -1, :, None] * K
+    P = common.ein("...td,...sd->...ts", Q, K) * Gam
+    d = K.shape[-1]
+    A_c = gamma[..., -1, None, None] * jnp.eye(d, dtype=K.dtype) - common.ein("...cd,...ce->...de", Kt, W)
+    return (common.ein("...ts,...sr->...tr", P, Tm),
+            gamma[..., None] * Q - common.ein("...ts,...sd->...td", P, W), A_c, Kt)
 
 
 def _prefix_plain(Qh, A_c, own, seq_axis=None, h0=None):
