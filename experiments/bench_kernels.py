@@ -23,7 +23,7 @@ Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
   log-linear Gated DeltaNet's kernel and block form (``loglinear_gdn_pallas``,
   ``loglinear_gdn_blocks``: ``impl="chunked"``, ``ops.loglinear_gdn_blocks``; ``loglinear_gdn_blocks_ut``:
   the same block form with its chunk terms from the first-order kernel's UT transform,
-  ``terms="kernel"``) and the wheel's plain-JAX
+  ``terms="kernel"``, which ``impl="auto"`` takes on a Hopper GPU) and the wheel's plain-JAX
   ``jla_log_linear_simple_gla``, which runs out of memory at B·T = 65536, so it and a twin row of
   our kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384 (``SMALL_TOKENS``); and the
   two log-linear operators continuing a state at position ``T`` (``loglinear_mamba2_state_pallas``,
@@ -98,6 +98,7 @@ TARGETS = [
     Target("cudnn_causal", "loglinear_mamba2_pallas", ">=", 1.5, 8192),
     Target("loglinear_gdn_pallas", "gated_deltanet_pallas", "<=", 4.0),
     Target("loglinear_gdn_blocks", "gated_deltanet_pallas", "<=", 4.0),
+    Target("loglinear_gdn_blocks_ut", "gated_deltanet_pallas", "<=", 4.0),
 ]
 DEFAULT_METHODS = ("mamba2_pallas", "jla_simple_gla", "hla2_pallas", "ahla_pallas", "hla3_pallas",
                    "cudnn_causal", "gated_deltanet_pallas", "jla_gated_deltanet",

@@ -120,6 +120,23 @@ def test_block_form_on_the_ut_kernel_bf16_and_reset(rng):
         loglinear_gdn_blocks.blocks(q, k, v, g, beta, lam, 64, "triton")
 
 
+def test_auto_takes_the_ut_terms_where_the_kernel_runs(rng, monkeypatch):
+    """``impl="auto"`` on whole rows: the block form with the UT kernel's terms where
+    ``gated_deltanet``'s kernel would run (a Hopper GPU with bf16 inputs; faked here), XLA's
+    terms with ``impl="chunked"``."""
+    from hla_jax.ops import common, loglinear, loglinear_gdn_blocks
+
+    q, k, v, g, beta, lam = _inputs(rng, 1, 100, 2, 16, 64)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    monkeypatch.setattr(common, "pallas_preferred", lambda *a: True)
+    monkeypatch.setattr(loglinear, "_kernel_takes", lambda *a: True)
+    auto = loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(_blocks_on_ut(q, k, v, g, beta, lam)))
+    chunked = loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="chunked")
+    xla = loglinear_gdn_blocks.blocks(q, k, v, g, beta, lam, 64, "xla")
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(xla), atol=1e-5)
+
+
 def test_block_form_ut_terms_lower_for_cuda():
     """The kernel chunk terms, forward and backward, go through the real Triton lowering at the
     benchmark's head dim 128 (the backward's 128 + 64 value columns in tiles of 64)."""

@@ -125,7 +125,7 @@ def scan(q, k, v, g, beta=None, lam=None, segment_ids=None):
 _JITTED = {"recurrent": jax.jit(recurrent), "scan": jax.jit(scan),
            "chunked": jax.jit(chunked, static_argnames=("chunk_size", "seq_axis")),
            "blocks": jax.jit(blocks, static_argnames="chunk_size"),
-           "gdn_blocks": jax.jit(loglinear_gdn_blocks.blocks, static_argnames="chunk_size")}
+           "gdn_blocks": jax.jit(loglinear_gdn_blocks.blocks, static_argnames=("chunk_size", "terms"))}
 
 
 def check_lam(lam, B, T, H, *, name, T_all=None):
@@ -232,10 +232,13 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     # a state: the kernels on the row and one first-order pass (log-linear Mamba-2: 102 against
     # 321 ms fwd+bwd for the counter form at T=2048 on the H200, kernels_bench_states)
     both = lam is not None and state_args and segment_ids is not None
-    if (impl == "auto" and name in KERNELS and not both and not blocks_first
-            and common.pallas_preferred(seq_axis, chunk_size, q, k, v)
-            and _kernel_takes(name, q, k, v, chunk_size)):
+    preferred = (impl == "auto" and common.pallas_preferred(seq_axis, chunk_size, q, k, v)
+                 and _kernel_takes("gated_deltanet" if blocks_first else name, q, k, v, chunk_size))
+    if preferred and name in KERNELS and not both and not blocks_first:
         impl = "pallas"
+    # the block form's chunk terms from the first-order kernel's UT transform where that kernel
+    # runs (34.4 against 39.6 ms fwd+bwd at T=8192 on the H200, kernels_bench_gdn_blocks_ut)
+    terms = "kernel" if preferred and blocks_first else "xla"
     impl = "chunked" if impl == "auto" else impl
     if impl == "pallas":  # the kernels take g=None as no decay
         extra = [x for x in (beta, lam) if x is not None]
@@ -262,7 +265,7 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
         return _JITTED["blocks"](q, k, v, g, lam, chunk_size=chunk_size)
     with common.matmul_precision(q, k, v):
         if blocked:
-            return _JITTED["gdn_blocks"](q, k, v, g, beta, lam, chunk_size=chunk_size)
+            return _JITTED["gdn_blocks"](q, k, v, g, beta, lam, chunk_size=chunk_size, terms=terms)
         if impl == "scan":
             return _JITTED["scan"](q, k, v, g, beta, lam, segment_ids)
         if impl == "recurrent":
@@ -325,7 +328,8 @@ def loglinear_gated_deltanet(q, k, v, g, beta, lam, *, segment_ids=None, initial
     layout, or a state as for ``loglinear_mamba2``, the first-order pass a ``gated_deltanet``
     one); "auto" takes it on a GPU for bf16 inputs with ``segment_ids`` and no state, else
     "chunked" (whole rows: the block form, faster forward+backward than the
-    kernels on the H200).  ``impl="chunked"``
+    kernels on the H200; its chunk terms from the ``gated_deltanet`` kernel's UT transform where
+    "auto" would take that kernel).  ``impl="chunked"``
     without those three (and without ``seq_axis``): the block form
     (``ops.loglinear_gdn_blocks``: an up-sweep of chunk transitions and a running query per
     token, no scan); with them: the counter form (``ops.loglinear_chunked``)."""
