@@ -10,8 +10,9 @@ floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``
 
 (XLA's part: ``loglinear_chunked.delta_terms``.)  The kernel's backward takes ``dW`` and ``dU``
 for ``b`` held fixed.  ``T``'s own cotangent ``dT`` (from ``M``) enters as ``C`` more value
-columns: ``T = T I``, so the backward runs on ``V_ext = [V | I]`` with ``dU_ext = [dU | dT]``.  The gate's part follows from
-``T = D_ρ T₀ D_ρ⁻¹`` (``T₀`` gate-free): ``W_τ = ρ_τ (T₀K)_τ`` and ``U = D_ρ T₀ D_ρ⁻¹ V``, so
+columns: ``T = T I``, so the backward runs on ``V_ext = [V | I]`` with ``dU_ext = [dU | dT]``.
+The gate's part follows from ``T = D_ρ T₀ D_ρ⁻¹`` (``T₀`` gate-free): ``W_τ = ρ_τ (T₀K)_τ`` and
+``U = D_ρ T₀ D_ρ⁻¹ V``, so
 ``∂L/∂b = w·dW + u·dU − v·dV`` per token, over ``V_ext``'s columns (``w·dW`` and ``v·dV`` are
 sums the kernel already returns).
 """
