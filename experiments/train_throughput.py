@@ -12,7 +12,9 @@ on a GPU for bf16, ``common.pallas_preferred``). Recorded: tokens/s and MFU from
 meter (the first step, with its compilation, excluded; MFU from ``hla_jax.nn.flops_per_token``
 against the bf16 dense peak), peak device memory, final loss. ``--budget`` seconds: no new mixer
 starts after it. Results: ``experiments/results/train_throughput_<device>.json``, rewritten after
-every mixer (rows of other mixers from earlier runs are kept).
+every mixer (rows of other mixers from earlier runs are kept); each row carries ``run``, the UTC
+start of its invocation, so the rows measured together (one process at a time on one device) are
+the ones that share it, and the printed table gives each row's ratio to that run's softmax.
 """
 
 from __future__ import annotations
@@ -89,16 +91,16 @@ def main():
     logdir = a.logdir or tempfile.mkdtemp(prefix="train_throughput_")
     os.makedirs(logdir, exist_ok=True)
     mixers = a.mixers.split(",")
-    t_start = time.perf_counter()
+    t_start, run = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     for i, mixer in enumerate(mixers):
         if a.budget and time.perf_counter() - t_start > a.budget:
             print(f"budget of {a.budget:.0f} s spent: {', '.join(mixers[i:])} not run", flush=True)
             break
-        rows.append(train(mixer, a, logdir))
+        rows.append(dict(train(mixer, a, logdir), run=run))
         print(json.dumps(rows[-1]), flush=True)
         path, table = save(rows) or (None, rows)
-    print("\n".join(["", "| mixer | params | tokens/s | MFU | peak GiB | final loss |",
-                     "|---|---|---|---|---|---|", *(line(r) for r in table)]))
+    print("\n".join(["", "| mixer | params | tokens/s | × softmax (same run) | MFU | peak GiB | final loss |",
+                     "|---|---|---|---|---|---|---|", *(line(r, table) for r in table)]))
     print(f"written {path or 'nothing (no mixer succeeded)'}; per-mixer logs in {logdir}")
 
 
@@ -146,16 +148,20 @@ def save(rows):
     return path, kept + rows
 
 
-def line(r) -> str:
-    """A Markdown table row of one result."""
+def line(r, rows) -> str:
+    """A Markdown table row of one result; its ratio to the softmax row of its ``run`` with the
+    same packing, when there is one."""
     name = (r["mixer"] + ("" if r.get("impl", "auto") == "auto" else f" ({r['impl']})")
             + ("" if r.get("pack", True) else " (plain rows)"))
     if "error" in r:
-        return f"| {name} | – | – | – | – | {r['error']}: {(r.get('log_tail') or [''])[-1][:120]} |"
+        return f"| {name} | – | – | – | – | – | {r['error']}: {(r.get('log_tail') or [''])[-1][:120]} |"
+    base = [b["tokens_per_s"] for b in rows if b["mixer"] == "softmax" and "error" not in b
+            and r.get("run") and b.get("run") == r["run"] and b.get("pack") == r.get("pack")]
+    ratio = f"{r['tokens_per_s'] / base[0]:.3f}" if base else "–"
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
-    return (f"| {name} | {r['params'] or 'n/a'} | {r['tokens_per_s']:.0f} | {mfu} | {peak} | "
-            f"{r['final_loss']:.3f} |")
+    return (f"| {name} | {r['params'] or 'n/a'} | {r['tokens_per_s']:.0f} | {ratio} | {mfu} | "
+            f"{peak} | {r['final_loss']:.3f} |")
 
 
 if __name__ == "__main__":
