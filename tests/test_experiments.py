@@ -189,6 +189,19 @@ def test_bench_gdn_inverse_swaps_the_solve_for_the_doubling_inverse(tmp_path):
     assert all(0 < d < 1e-5 for d in res["rel_diff"].values()), res["rel_diff"]
 
 
+def test_bench_gdn_blocks_parts_times_each_part(tmp_path):
+    """The block form's parts benchmark on a tiny shape (the times mean nothing on a CPU): both
+    chunk terms, every part timed forward and forward+backward, and the record written."""
+    from experiments import bench_gdn_blocks_parts
+
+    res = bench_gdn_blocks_parts.main(["--T", "128", "--tokens", "128", "--shape", "1,16,64",
+                                       "--repeats", "1", "--out", str(tmp_path), "--name", "tiny"])
+    assert json.loads((tmp_path / "tiny.json").read_text()) == json.loads(json.dumps(res))
+    assert [r["terms"] for r in res["rows"]] == ["kernel", "xla"]
+    for r in res["rows"]:
+        assert all(t > 0 for part in ("chunk_parts", "window", "levels", "whole") for t in r[part])
+
+
 def test_set_overrides_the_trained_config_and_names_it():
     """``--set KEY=VALUE`` (mqar.py, and the ``--train`` of position_loss.py / niah.py): typed
     values on dotted keys; the run's label names the HLA options it turned on."""

@@ -83,14 +83,25 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     float64 inputs).  ``terms="kernel"``: the per-chunk terms from the first-order kernel's UT
     transform (``kernels.gdn_blocks``; chunk 64, ``d`` a power of two ≥ 16; the Triton
     interpreter on CPU; log-decays floored at ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
-    if terms not in ("xla", "kernel"):
-        raise ValueError(f"loglinear_gdn_blocks: terms must be 'xla' or 'kernel', got {terms!r}")
-    B, T, H, d = q.shape
-    c, lc = chunk_size, fenwick.chunk_log2(chunk_size)
-    N = -(-T // c)
-    dt = common.state_dtype(q, k, v, g, beta, lam)
+    M, Qh, A_c, Z, V, Lam = chunk_parts(q, k, v, g, beta, lam, chunk_size, terms)
+    B, H, N, c, d = Qh.shape
     low = all(jnp.dtype(x.dtype).itemsize < 4 for x in (q, k, v))
     dot = functools.partial(_low, dtype=q.dtype) if low else common.ein
+    out = window(Lam.reshape(B, H, N, c, -1), M, V, fenwick.level_table(c)).reshape(B, H, N * c, -1)
+    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, fenwick.chunk_log2(c), N, dot)
+    return jnp.moveaxis(out, 1, 2)[:, :q.shape[1]]
+
+
+def chunk_parts(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
+    """``blocks``' per-chunk terms, heads first in the state dtype: ``(M [B,H,N,c,c],
+    Q̂ [B,H,N,c,d], A_c [B,H,N,d,d], Z [B,H,N,d,dv], V [B,H,N,c,dv], Λ [B,H,N·c,L])``, the
+    inputs zero-padded to ``N = ⌈T/c⌉`` chunks; ``terms`` as for ``blocks``."""
+    if terms not in ("xla", "kernel"):
+        raise ValueError(f"loglinear_gdn_blocks: terms must be 'xla' or 'kernel', got {terms!r}")
+    c = chunk_size
+    fenwick.chunk_log2(c)
+    N = -(-q.shape[1] // c)
+    dt = common.state_dtype(q, k, v, g, beta, lam)
     Q, K, V, G, Beta, Lam = (heads_first(x, N * c, dt) for x in (q, k, v, g, beta, lam))
     chunk = lambda x: x.reshape(x.shape[:2] + (N, c) + x.shape[3:])      # noqa: E731
     if terms == "kernel":
@@ -104,6 +115,4 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     else:
         M, Qh, A_c, Kw = chunk_terms(*(chunk(x) for x in (Q, K, V, G, Beta)))
         Z = common.ein("...cd,...cv->...dv", Kw, chunk(V))
-    out = window(chunk(Lam), M, chunk(V), fenwick.level_table(c)).reshape(B, H, N * c, -1)
-    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, lc, N, dot)
-    return jnp.moveaxis(out, 1, 2)[:, :T]
+    return M, Qh, A_c, Z, chunk(V), Lam

@@ -1,0 +1,104 @@
+"""Where log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``) spends its time:
+the per-chunk terms (``chunk_parts``: the UT transform and ``M``, ``Q̂``, ``A_c``, ``Z``), the
+window inside each chunk (``loglinear_chunked.window``), the chunk levels (the up-sweep and the
+running queries, ``_levels``) and the whole ``blocks``, each forward and forward+backward (the
+gradient of every float input for unit cotangents), median ms.
+
+    python experiments/bench_gdn_blocks_parts.py [--T 8192] [--tokens 65536] [--shape 16,128,128]
+                                                 [--terms kernel,xla] [--name …] [--out DIR]
+
+Same inputs as ``bench_kernels.py`` (bf16, ``--shape`` H,d,dv, B·T = ``--tokens``). Writes
+``<out>/<name>.json``: one row per ``--terms``, each part's ``(fwd, fwd_bwd)`` and ``rest`` = the
+whole minus the three parts (the padding, the layout moves and what the parts' boundaries keep
+XLA from fusing). ``terms="kernel"`` runs the Triton UT kernel: compiled on a GPU, in the
+interpreter on CPU (slow; a small ``--tokens`` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from experiments.bench_kernels import Shape, inputs, timeit  # noqa: E402
+from hla_jax.ops import common, fenwick, loglinear_chunked, loglinear_gdn_blocks  # noqa: E402
+
+
+def timed(fn, *args, repeats=10):
+    """``(fwd, fwd_bwd)`` median ms of ``fn(*args)`` and of the gradient of every float argument
+    for unit cotangents on each output."""
+    floats = [i for i, x in enumerate(args) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+    def grads(*xs):
+        out, pull = jax.vjp(lambda *f: fn(*_put(xs, floats, f)), *(xs[i] for i in floats))
+        return pull(jax.tree.map(jnp.ones_like, out))
+
+    return (timeit(jax.jit(fn), *args, repeats=repeats),
+            timeit(jax.jit(grads), *args, repeats=repeats))
+
+
+def _put(xs, at, vals):
+    xs = list(xs)
+    for i, x in zip(at, vals):
+        xs[i] = x
+    return tuple(xs)
+
+
+def parts(args, terms: str, repeats: int) -> dict:
+    """The parts of ``blocks(*args, 64, terms)`` timed on their own inputs."""
+    q = args[0]
+    whole = functools.partial(loglinear_gdn_blocks.blocks, chunk_size=64, terms=terms)
+    split = functools.partial(loglinear_gdn_blocks.chunk_parts, chunk_size=64, terms=terms)
+    M, Qh, A_c, Z, V, Lam = jax.jit(split)(*args)
+    B, H, N, c, d = Qh.shape
+    lev = fenwick.level_table(c)
+    dot = functools.partial(loglinear_gdn_blocks._low, dtype=q.dtype)
+    row = {"terms": terms,
+           "chunk_parts": timed(split, *args, repeats=repeats),
+           "window": timed(lambda L, M, V: loglinear_chunked.window(L.reshape(B, H, N, c, -1),
+                                                                    M, V, lev), Lam, M, V,
+                           repeats=repeats),
+           "levels": timed(lambda Qh, A, Z, L: loglinear_gdn_blocks._levels(
+               Qh.reshape(B, H, N * c, d), A, Z, L, fenwick.chunk_log2(c), N, dot),
+               Qh, A_c, Z, Lam, repeats=repeats),
+           "whole": timed(whole, *args, repeats=repeats)}
+    row["rest"] = tuple(row["whole"][j] - sum(row[p][j] for p in ("chunk_parts", "window", "levels"))
+                        for j in range(2))
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--shape", default="16,128,128", help="H,d,dv")
+    p.add_argument("--terms", default="kernel,xla")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--name", default="bench_gdn_blocks_parts_gpu")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    a = p.parse_args(argv)
+    B, T = max(a.tokens // a.T, 1), a.T
+    shape = Shape(*(int(x) for x in a.shape.split(",")))
+    q, k, v, g, beta, lam, _ = inputs(B, T, shape)
+    res = {"device": jax.devices()[0].device_kind, "B": B, "T": T, "shape": list(shape),
+           "dtype": "bfloat16", "rows": []}
+    with common.matmul_precision(q, k, v):
+        for terms in a.terms.split(","):
+            res["rows"].append(parts((q, k, v, g, beta, lam), terms, a.repeats))
+            print(json.dumps(res["rows"][-1]), flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
