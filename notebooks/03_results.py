@@ -59,7 +59,7 @@ def show(fig):
 # (see `experiments/mqar.py` for how those are read). `mqar_h200` is the H200 sweep at 2000
 # steps (all 27 cells); `mqar_h200_hla_conv` the linear and HLA mixers with a short conv;
 # `mqar_h200_hla_decay` hla2 with a learned decay; `mqar_zoology_*` Zoology's budget with early
-# stopping (`mqar_zoology_mix_bf16`: bf16, one lr, d=64); `mqar_probe_*` that protocol cut short;
+# stopping (`mqar_zoology_mix_bf16`, `_d32`, `_d16`: bf16, one lr, d=64, 32, 16); `mqar_probe_*` cut short;
 # `mqar_cpu_*` and `mqar_h200_probe` are small pipeline checks, not the paper's setup.
 
 # %%
