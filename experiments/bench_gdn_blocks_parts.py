@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import pathlib
 import sys
 
@@ -28,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from experiments.bench_kernels import Shape, inputs, timeit  # noqa: E402
+from experiments.bench_kernels import inputs, micro_args, micro_size, micro_write, timeit  # noqa: E402
 from hla_jax.ops import common, fenwick, loglinear_chunked, loglinear_gdn_blocks  # noqa: E402
 
 
@@ -77,16 +76,10 @@ def parts(args, terms: str, repeats: int) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--T", type=int, default=8192)
-    p.add_argument("--tokens", type=int, default=65536)
-    p.add_argument("--shape", default="16,128,128", help="H,d,dv")
+    micro_args(p, "bench_gdn_blocks_parts_gpu")
     p.add_argument("--terms", default="kernel,xla")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--name", default="bench_gdn_blocks_parts_gpu")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args(argv)
-    B, T = max(a.tokens // a.T, 1), a.T
-    shape = Shape(*(int(x) for x in a.shape.split(",")))
+    B, T, shape = micro_size(a)
     q, k, v, g, beta, lam, _ = inputs(B, T, shape)
     res = {"device": jax.devices()[0].device_kind, "B": B, "T": T, "shape": list(shape),
            "dtype": "bfloat16", "rows": []}
@@ -94,10 +87,7 @@ def main(argv=None):
         for terms in a.terms.split(","):
             res["rows"].append(parts((q, k, v, g, beta, lam), terms, a.repeats))
             print(json.dumps(res["rows"][-1]), flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    return res
+    return micro_write(a, res)
 
 
 if __name__ == "__main__":

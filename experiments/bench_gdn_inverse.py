@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import pathlib
 import sys
 from unittest import mock
@@ -33,7 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from experiments.bench_kernels import Shape, inputs, measure, methods  # noqa: E402
+from experiments.bench_kernels import inputs, measure, methods, micro_args, micro_size, micro_write  # noqa: E402
 from hla_jax.kernels.loglinear_gdn_chunk import unit_lower_inverse  # noqa: E402
 from hla_jax.ops import common, loglinear_chunked  # noqa: E402
 from hla_jax.ops.loglinear_blocks import heads_first  # noqa: E402
@@ -77,16 +76,11 @@ def chunk_terms_fn(c: int):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--T", type=int, default=8192)
-    p.add_argument("--tokens", type=int, default=65536)
-    p.add_argument("--shape", default="16,128,128", help="H,d,dv")
+    micro_args(p, "bench_gdn_inverse_gpu")
     p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--name", default="bench_gdn_inverse_gpu")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args(argv)
-    B, T = max(a.tokens // a.T, 1), a.T
-    args = inputs(B, T, Shape(*(int(x) for x in a.shape.split(","))))
+    B, T, shape = micro_size(a)
+    args = inputs(B, T, shape)
     make = methods()
     fns = {"chunk_terms": chunk_terms_fn(a.chunk), **{m: make[m]() for m in OPERATORS}}
     res, out = dict(device=jax.devices()[0].device_kind, B=B, T=T, shape=a.shape, rows={}), {}
@@ -100,10 +94,7 @@ def main(argv=None):
     res["rel_diff"] = {m: float(jnp.linalg.norm(out["doubling"][m] - out["solve"][m])
                                 / jnp.linalg.norm(out["solve"][m])) for m in OPERATORS}
     print(json.dumps(res["rel_diff"]))
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    return res
+    return micro_write(a, res)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,31 @@ def timeit(fn, *args, repeats=10):
     return 1e3 * statistics.median(ts)
 
 
+def micro_args(p, name: str):
+    """The options of the one-shape micro-benchmarks (``bench_gdn_inverse``,
+    ``bench_gdn_blocks_parts``): ``--T``, ``--tokens`` (B·T), ``--shape`` H,d,dv, ``--repeats``,
+    ``--name`` and ``--out``; ``micro_size`` reads them back."""
+    p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--shape", default="16,128,128", help="H,d,dv")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--name", default=name, help="results go to <out>/<name>.json")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+
+
+def micro_size(a) -> tuple[int, int, Shape]:
+    """``(B, T, shape)`` of ``micro_args``' options: ``B = max(tokens // T, 1)``."""
+    return max(a.tokens // a.T, 1), a.T, Shape(*(int(x) for x in a.shape.split(",")))
+
+
+def micro_write(a, res: dict) -> dict:
+    """Write ``res`` to ``<out>/<name>.json`` of ``micro_args``' options; ``res``."""
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
 def inputs(B, T, shape, seed=0):
     """``q, k, v, g, beta, lam, w``: bf16 q, k (unit rows), v, w and β ∈ (0.1, 0.9); float32
     per-token log-decays ``g ∈ (−0.1, 0]`` and λ ∈ (0.5, 1.5) with ⌈log2 T⌉+1 levels."""
