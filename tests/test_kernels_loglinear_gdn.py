@@ -120,6 +120,19 @@ def test_block_form_on_the_ut_kernel_bf16_and_reset(rng):
         loglinear_gdn_blocks.blocks(q, k, v, g, beta, lam, 64, "triton")
 
 
+def test_block_form_on_the_ut_kernel_under_vmap(rng):
+    """Vmapped over a model axis (MQAR's stacked models), the UT-kernel terms give each model's
+    own output and six gradients (the kernels' batching rules and the custom VJP's)."""
+    per = [_inputs(rng, 1, 100, 2, 16, 64) for _ in range(2)]
+    args = [jnp.stack(xs) for xs in zip(*per)]
+    loss = lambda *a: jnp.sum(_blocks_on_ut(*a) ** 2)
+    step = jax.value_and_grad(loss, argnums=tuple(range(6)))
+    stacked = jax.vmap(step)(*args)
+    for m, one in enumerate(per):
+        for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(step(*one))):
+            assert_close(a[m], b, 1e-6)
+
+
 def test_auto_takes_the_ut_terms_where_the_kernel_runs(rng, monkeypatch):
     """``impl="auto"`` on whole rows: the block form with the UT kernel's terms where
     ``gated_deltanet``'s kernel would run (a Hopper GPU with bf16 inputs; faked here), XLA's
