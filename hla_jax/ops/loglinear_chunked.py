@@ -30,8 +30,7 @@ def chunk_terms(Q, K, V, G, Beta):
       ``W = T(γ∘K)``): ``delta_terms`` and ``K_w = Tᵀ K̃`` (own = K̃ᵀ T V);
     with ``K̃ = (γ_c/γ)∘K``.
     """
-    Gam = common.decay_matrix(G)                     # Γ: [..., c, c]
-    gamma = jnp.exp(jnp.cumsum(G, axis=-1))          # γ_τ = D(τ, −1)
+    Gam, gamma = chunk_decays(G)
     if Beta is None:
         return (common.ein("...td,...sd->...ts", Q, K) * Gam, gamma[..., None] * Q,
                 gamma[..., -1, None, None], Gam[..., -1, :, None] * K)
@@ -39,16 +38,22 @@ def chunk_terms(Q, K, V, G, Beta):
     eye = jnp.eye(c, dtype=K.dtype)
     strict = jnp.tril(Beta[..., :, None] * common.ein("...td,...sd->...ts", K, K) * Gam, -1)
     Tm = solve_triangular(eye + strict, eye * Beta[..., None, :], lower=True, unit_diagonal=True)
-    M, Qh, A_c, Kt = delta_terms(Q, K, G, Tm, common.ein("...ts,...sd->...td", Tm, gamma[..., None] * K))
+    W = common.ein("...ts,...sd->...td", Tm, gamma[..., None] * K)
+    M, Qh, A_c, Kt = delta_terms(Q, K, Gam, gamma, Tm, W)
     return M, Qh, A_c, common.ein("...ts,...td->...sd", Tm, Kt)
 
 
-def delta_terms(Q, K, G, Tm, W):
-    """Gated DeltaNet's ``(M, Q̂, A_c, K̃)`` of one chunk given its UT transform ``Tm [..., c, c]``
-    and ``W = T(γ∘K) [..., c, d]`` (however computed: ``chunk_terms`` or the UT kernel):
-    ``P = (QKᵀ)∘Γ``, ``M = P T``, ``Q̂ = γ∘Q − P W``, ``A_c = γ_c I − K̃ᵀ W``, ``K̃ = (γ_c/γ)∘K``."""
-    Gam = common.decay_matrix(G)
-    gamma = jnp.exp(jnp.cumsum(G, axis=-1))
+def chunk_decays(G):
+    """``(Γ [..., c, c], γ [..., c])`` of a chunk's log-decays ``G [..., c]``: ``Γ[τ,σ] = D(τ,σ)``
+    (``τ ≥ σ``, else 0) and ``γ_τ = D(τ, −1)``, the decay from the chunk's start."""
+    return common.decay_matrix(G), jnp.exp(jnp.cumsum(G, axis=-1))
+
+
+def delta_terms(Q, K, Gam, gamma, Tm, W):
+    """Gated DeltaNet's ``(M, Q̂, A_c, K̃)`` of one chunk given its decays (``chunk_decays``), its
+    UT transform ``Tm [..., c, c]`` and ``W = T(γ∘K) [..., c, d]`` (however computed:
+    ``chunk_terms`` or the UT kernel): ``P = (QKᵀ)∘Γ``, ``M = P T``, ``Q̂ = γ∘Q − P W``,
+    ``A_c = γ_c I − K̃ᵀ W``, ``K̃ = (γ_c/γ)∘K``."""
     Kt = Gam[..., -1, :, None] * K
     P = common.ein("...td,...sd->...ts", Q, K) * Gam
     d = K.shape[-1]

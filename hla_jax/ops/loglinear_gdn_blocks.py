@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from hla_jax.ops import common, fenwick
 from hla_jax.ops.loglinear_blocks import dot16, halves, heads_first
-from hla_jax.ops.loglinear_chunked import chunk_terms, delta_terms, window
+from hla_jax.ops.loglinear_chunked import chunk_decays, chunk_terms, delta_terms, window
 from hla_jax.ops.ssm import combine
 
 
@@ -110,7 +110,7 @@ def chunk_parts(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla")
             raise ValueError(f"loglinear_gdn_blocks: terms='kernel' takes chunk_size={gdn_blocks.C} "
                              f"and float32 or 16-bit inputs, got {chunk_size} and {dt}")
         Gf, Tm, W, U = gdn_blocks.ut_chunks(k, v, g, beta, N * c)
-        M, Qh, A_c, Kt = delta_terms(chunk(Q), chunk(K), Gf, Tm, W)
+        M, Qh, A_c, Kt = delta_terms(chunk(Q), chunk(K), *chunk_decays(Gf), Tm, W)
         Z = common.ein("...cd,...cv->...dv", Kt, U)
     else:
         M, Qh, A_c, Kw = chunk_terms(*(chunk(x) for x in (Q, K, V, G, Beta)))
