@@ -661,18 +661,21 @@ def main(argv=None) -> dict:
                 "vocab_size": args.vocab, "note": args.note}
     res = common.read_json(main_path) or {"tag": args.tag, "runs": {}}
     res.setdefault("cells", {})
+    merged = res.get("settings", {})
     res["settings"] = settings
-    if args.merge:  # settings from the shard files (the sweep's, their mixers and dims pooled), runs pooled
-        mixers, dims, partial = [], [], res.setdefault("partial", {})
+    if args.merge:  # settings from the shard files (the sweep's); mixers, dims, lrs and runs pooled
+        pooled = {k: list(merged.get(k, [])) for k in ("mixers", "dims", "lrs")}
+        partial = res.setdefault("partial", {})
         for shard in shard_files:
             part = common.read_json(shard)
             res["runs"].update(part["runs"])
             res["cells"].update(part.get("cells", {}))
             partial.update(part.get("partial", {}))
             res["settings"] = dict(part.get("settings", settings))
-            mixers += [m for m in res["settings"]["mixers"] if m not in mixers]
-            dims += [d for d in res["settings"]["dims"] if d not in dims]
-        res["settings"].update(mixers=mixers or settings["mixers"], dims=dims or settings["dims"])
+            for k, seen in pooled.items():
+                seen += [x for x in res["settings"][k] if x not in seen]
+        res["settings"].update({k: (sorted(v) if k == "lrs" else v) or settings[k]
+                                for k, v in pooled.items()})
         for key in res["runs"]:
             partial.pop(key, None)
         md = finish(res, out, args.tag)

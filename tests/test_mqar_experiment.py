@@ -208,6 +208,27 @@ def test_mqar_merge_pools_the_shards_mixers(tmp_path):
     assert "| hla2 | 50.0 | – |" in md and "| softmax | 75.0 | ≥99.0 |" in md
 
 
+def test_mqar_merge_adds_a_later_sweep_to_the_tag(tmp_path):
+    """A second sweep merged into a tag's JSON (another lr, another mixer) keeps the earlier
+    sweep's runs, mixers and lrs: the best lr is taken over both."""
+    run = lambda m, lr, acc: {"mixer": m, "dim": 16, "pairs": 4, "lr": lr, "accuracy": acc,
+                              "row_accuracy": 0.1}
+    settings = lambda m, lr: {"mixers": [m], "dims": [16], "pairs": [4], "lrs": [lr],
+                              "seq_len": 256, "steps": 10, "batch": 8}
+    for m, lr, acc in (("hla2", 0.01, 0.5), ("softmax", 0.001, 0.75)):
+        (tmp_path / "mqar_v.shard0of1.json").write_text(json.dumps({
+            "settings": settings(m, lr), "runs": {f"{m}/d16/kv4/lr{lr}": run(m, lr, acc)}}))
+        mqar.main(["--merge", "--tag", "v", "--out", str(tmp_path), "--jit_cache", ""])
+    (tmp_path / "mqar_v.shard0of1.json").write_text(json.dumps({
+        "settings": settings("hla2", 0.001), "runs": {"hla2/d16/kv4/lr0.001": run("hla2", 0.001, 0.25)}}))
+    mqar.main(["--merge", "--tag", "v", "--out", str(tmp_path), "--jit_cache", ""])
+    res, md = _outputs(tmp_path, "mqar_v")
+    assert len(res["runs"]) == 3
+    assert res["settings"]["mixers"] == ["hla2", "softmax"] and res["settings"]["lrs"] == [0.001, 0.01]
+    assert res["best"]["hla2"]["16"]["4"]["lr"] == 0.01
+    assert "| hla2 | 50.0 | – |" in md and "| softmax | 75.0 | ≥99.0 |" in md
+
+
 def test_loss_read_at_answer_positions_equals_the_full_loss(rng):
     """``positions`` (MQAR's answers, padded) give the same loss and eval sums as scoring every
     position under the mask, from logits at those positions only."""
