@@ -99,7 +99,7 @@ def chunk_parts(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla")
     if terms not in ("xla", "kernel"):
         raise ValueError(f"loglinear_gdn_blocks: terms must be 'xla' or 'kernel', got {terms!r}")
     c = chunk_size
-    fenwick.chunk_log2(c)
+    fenwick.chunk_log2(c)                       # ValueError unless a power of two
     N = -(-q.shape[1] // c)
     dt = common.state_dtype(q, k, v, g, beta, lam)
     Q, K, V, G, Beta, Lam = (heads_first(x, N * c, dt) for x in (q, k, v, g, beta, lam))
