@@ -62,11 +62,12 @@ ut.defvjp(_ut_fwd, _ut_bwd)
 
 
 def ut_chunks(k, v, g, beta, Tp: int, interpret=None):
-    """``(G [B,H,N,C], T [B,H,N,C,C], W [B,H,N,C,d], U [B,H,N,C,dv])`` float32 per chunk, heads
-    first, for ``k [B,T,H,d]``, ``v [B,T,H,dv]``, ``g, beta [B,T,H]`` zero-padded to ``Tp`` tokens
-    (a multiple of ``C``): the log-decays ``G`` as floored here, and the UT kernel's ``T``, ``W``,
-    ``U`` (``loglinear_chunked.delta_terms`` forms the rest).  ``interpret=None``: the Triton
-    interpreter on CPU (which also takes float32 inputs)."""
+    """``(G [B,H,N,C], T [B,H,N,C,C], W [B,H,N,C,d], U [B,H,N,C,dv])`` per chunk, heads first
+    (``G``, ``T`` float32; ``W``, ``U`` in ``k``'s dtype), for ``k [B,T,H,d]``, ``v [B,T,H,dv]``,
+    ``g, beta [B,T,H]`` zero-padded to ``Tp`` tokens (a multiple of ``C``): the log-decays ``G``
+    as floored here, and the UT kernel's ``T``, ``W``, ``U`` (``loglinear_chunked.delta_terms``
+    forms the rest).  ``interpret=None``: the Triton interpreter on CPU (which also takes float32
+    inputs)."""
     B, T, H, d = k.shape
     dv, N = v.shape[-1], Tp // C
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
@@ -77,5 +78,5 @@ def ut_chunks(k, v, g, beta, Tp: int, interpret=None):
     G = jnp.maximum(per_token(g), wrap.LOG_DECAY_FLOOR).reshape(B, H, N, C)
     w, u, t = ut(wrap.pad(k, Tp, d), wrap.pad(v, Tp, -(-dv // 64) * 64),
                  jnp.cumsum(G, -1).reshape(B, H, Tp), per_token(beta), bool(interpret))
-    chunk = lambda x: jnp.swapaxes(x, 1, 2).astype(F32).reshape(B, H, N, C, -1)
+    chunk = lambda x: jnp.swapaxes(x, 1, 2).reshape(B, H, N, C, -1)
     return G, t.reshape(B, H, N, C, C), chunk(w), chunk(u)[..., :dv]
