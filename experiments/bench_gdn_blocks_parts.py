@@ -55,7 +55,8 @@ def parts(args, terms: str, repeats: int) -> dict:
                                                                     M, V, lev), Lam, M, V,
                            repeats=repeats),
            "levels": timed(lambda Qh, A, Z, L: loglinear_gdn_blocks._levels(
-               Qh.reshape(B, H, N * c, d), A, Z, L, fenwick.chunk_log2(c), N),
+               Qh.reshape(B, H, N * c, d), A, Z, L, fenwick.chunk_log2(c), N,
+               terms == "kernel"),
                Qh, A_c, Z, Lam, repeats=repeats),
            "whole": timed(whole, *args, repeats=repeats)}
     row["rest"] = tuple(row["whole"][j] - sum(row[p][j] for p in ("chunk_parts", "window", "levels"))

@@ -1,6 +1,8 @@
-"""The per-chunk terms of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``)
-from the first-order kernel's Triton UT transform (``kernels/gpu/gdn_ut.py``) instead of XLA's
-batched triangular solve (``loglinear_chunked.chunk_terms``).
+"""The Triton parts of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``):
+its per-chunk terms from the first-order kernel's UT transform (``kernels/gpu/gdn_ut.py``)
+instead of XLA's batched triangular solve (``loglinear_chunked.chunk_terms``), and its chunk
+levels' reads (``levels``, ``kernels/gpu/gdn_levels.py``) instead of XLA's level-by-level
+products.
 
 Per chunk of ``C = 64`` tokens, with ``ρ = exp(b)`` (``b`` the chunk-local cumulative log-decay,
 floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``), ``K̃ = (ρ_c/ρ)∘K``::
@@ -25,8 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.kernels import wrap
-from hla_jax.kernels.gpu import gdn_ut
+from hla_jax.kernels.gpu import gdn_levels, gdn_ut
 from hla_jax.kernels.gpu.la_mgpu import F32, C
+from hla_jax.ops.loglinear_blocks import halves
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -80,3 +83,46 @@ def ut_chunks(k, v, g, beta, Tp: int, interpret=None):
                  jnp.cumsum(G, -1).reshape(B, H, Tp), per_token(beta), bool(interpret))
     chunk = lambda x: jnp.swapaxes(x, 1, 2).reshape(B, H, N, C, -1)
     return G, t.reshape(B, H, N, C, C), chunk(w), chunk(u)[..., :dv]
+
+
+def _stacked(nodes):
+    """The levels' nodes ``[B,H,n_i,…]`` stacked along axis 2, and each level's offset."""
+    sizes = [x.shape[2] for x in nodes]
+    return jnp.concatenate(nodes, 2), tuple(int(sum(sizes[:i])) for i in range(len(sizes)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def levels(qh, lam, pis, zs, interpret):
+    """The chunk levels' reads ``o [B,H,Tp,dv]`` float32 through the Triton kernel
+    (``kernels/gpu/gdn_levels.py``) from ``qh [B,H,Tp,d]``, ``lam [B,H,Lv,Tp]`` float32 and the
+    up-sweep's left nodes ``pis[i] [B,H,n_i,d,d]``, ``zs[i] [B,H,n_i,d,dv]`` of each level
+    ``i < Lv`` (``n_i = ⌈N/2^(i+1)⌉``), all in ``qh``'s dtype."""
+    pi, offsets = _stacked(pis)
+    return gdn_levels.forward(qh, lam, pi, _stacked(zs)[0], offsets=offsets, interpret=interpret)
+
+
+def _levels_fwd(qh, lam, pis, zs, interpret):
+    return levels(qh, lam, pis, zs, interpret), (qh, lam, pis, zs)
+
+
+def _levels_bwd(interpret, res, do):
+    """The kernel's ``dQ̂``, ``dλ``; level ``i``'s nodes from its right halves' tokens ``R``:
+    ``dZ_i = Σ_{t∈R} λ_i rⁱ_t ⊗ do_t``, ``dΠ_i = Σ_{t∈R} rⁱ_t ⊗ drⁱ⁺¹_t``."""
+    qh, lam, pis, zs = res
+    pi, offsets = _stacked(pis)
+    dq, dlam, rs, drs = gdn_levels.backward(qh, lam, pi, _stacked(zs)[0], do, offsets=offsets,
+                                            interpret=interpret)
+    dt = qh.dtype
+    prec = None if jnp.dtype(dt).itemsize < 4 else jax.lax.Precision.HIGHEST
+
+    def node(i, a, b):   # Σ_{t∈R} a_t ⊗ b_t over level i's right halves
+        a, b = (halves(x, C << i)[:, :, :, 1] for x in (a, b))
+        return jnp.einsum("bhntd,bhnte->bhnde", a, b, precision=prec,
+                          preferred_element_type=F32).astype(dt)
+
+    levels_ = range(len(pis))
+    return (dq, dlam, tuple(node(i, rs[i], drs[i]) for i in levels_),
+            tuple(node(i, rs[i], (lam[:, :, i, :, None] * do).astype(dt)) for i in levels_))
+
+
+levels.defvjp(_levels_fwd, _levels_bwd)
