@@ -157,9 +157,9 @@ def test_block_form_ut_terms_lower_for_cuda():
 
     x = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((1, 256, 2), jnp.float32)
-    loss = lambda *a: sum(jnp.sum(t) for t in gdn_blocks.ut_chunks(*a, 256, interpret=False))
-    text = lower_for("cuda", jax.grad(loss, argnums=range(4)), x, x, s, s)
-    assert text.count("__gpu$xla.gpu.triton") == 2, "the UT transform and its backward"
+    loss = lambda *a: sum(jnp.sum(t) for t in gdn_blocks.chunk_terms(*a, 256, interpret=False))
+    text = lower_for("cuda", jax.value_and_grad(loss, argnums=range(5)), x, x, x, s, s)
+    assert text.count("__gpu$xla.gpu.triton") == 4, "the UT transform, the chunk terms, backwards"
 
 
 def test_reset_gate_stays_finite(rng):

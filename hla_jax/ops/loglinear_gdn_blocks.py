@@ -25,12 +25,12 @@ program per chunk that walks its own levels (``kernels.gdn_blocks.levels``), wit
 backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V``
 (``loglinear_chunked.window``).
 Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
-transitions).  The chunk terms are formed in the state dtype at the caller's matmul precision
-(``common.matmul_precision``).  With 16-bit inputs ``Q̂``, ``A_c``, ``Z``, ``V`` are kept in 16
-bits, and so are the up-sweep's ``(Π, Z)`` and the running query ``r``: the sweeps and reads take
-16-bit operands with float32 accumulation, forward and backward (``loglinear_blocks.dot16``), as
-the kernels do, their results rounded back to 16 bits; ``M``, the window and the output are
-float32.
+transitions). The chunk terms are formed in the state dtype at the caller's matmul precision
+(``common.matmul_precision``; ``terms="kernel"``'s Triton kernels likewise, TF32 for 16-bit
+inputs). With 16-bit inputs ``Q̂``, ``A_c``, ``Z``, ``V`` are kept in 16 bits, and so are the
+up-sweep's ``(Π, Z)`` and the running query ``r``: the sweeps and reads take 16-bit operands with
+float32 accumulation, forward and backward (``loglinear_blocks.dot16``), as the kernels do, their
+results rounded back to 16 bits; ``M``, the window and the output are float32.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from hla_jax.ops import common, fenwick
 from hla_jax.ops.loglinear_blocks import dot16, halves, heads_first
-from hla_jax.ops.loglinear_chunked import chunk_decays, chunk_terms, delta_terms, window
+from hla_jax.ops.loglinear_chunked import chunk_terms, window
 from hla_jax.ops.ssm import combine
 
 
@@ -133,18 +133,16 @@ def chunk_parts(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla")
     N = -(-q.shape[1] // c)
     dt = common.state_dtype(q, k, v, g, beta, lam)
     mdt = q.dtype if all(jnp.dtype(x.dtype).itemsize < 4 for x in (q, k, v)) else dt
-    Q, K, G, Beta, Lam = (heads_first(x, N * c, dt) for x in (q, k, g, beta, lam))
     chunk = lambda x: x.reshape(x.shape[:2] + (N, c) + x.shape[3:])      # noqa: E731
-    V = chunk(heads_first(v, N * c, mdt))
+    V, Lam = chunk(heads_first(v, N * c, mdt)), heads_first(lam, N * c, dt)
     if terms == "kernel":
         from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
         if c != gdn_blocks.C or dt != jnp.float32:
             raise ValueError(f"loglinear_gdn_blocks: terms='kernel' takes chunk_size={gdn_blocks.C} "
                              f"and float32 or 16-bit inputs, got {chunk_size} and {dt}")
-        Gf, Tm, W, U = gdn_blocks.ut_chunks(k, v, g, beta, N * c)
-        M, Qh, A_c, Kt = delta_terms(chunk(Q), chunk(K), *chunk_decays(Gf), Tm, W)
-        Z = common.ein("...cd,...cv->...dv", Kt, U)
+        M, Qh, A_c, Z = gdn_blocks.chunk_terms(q, k, v, g, beta, N * c)
     else:
-        M, Qh, A_c, Kw = chunk_terms(chunk(Q), chunk(K), V, chunk(G), chunk(Beta))
+        Q, K, G, Beta = (chunk(heads_first(x, N * c, dt)) for x in (q, k, g, beta))
+        M, Qh, A_c, Kw = chunk_terms(Q, K, V, G, Beta)
         Z = common.ein("...cd,...cv->...dv", Kw, V)
     return M, Qh.astype(mdt), A_c.astype(mdt), Z.astype(mdt), V, Lam
