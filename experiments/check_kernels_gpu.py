@@ -26,8 +26,8 @@ Kernels (``CASES``), compiled, not interpreted:
   the block forms (``ops.loglinear_blocks``, ``ops.loglinear_gdn_blocks``: XLA matmuls, no kernel
   of their own), GPU numerics checked the same way;
 - ``loglinear_gated_deltanet_blocks_ut``: ``ops.loglinear_gdn_blocks.blocks(terms="kernel")``, that
-  block form with its chunk terms from the first-order kernel's Triton UT transform and its
-  chunk levels read by the Triton level kernel (``kernels/gpu/gdn_levels.py``).
+  block form with its chunk terms from the first-order kernel's Triton UT transform and the
+  Triton chunk-terms kernel (``kernels/gpu/gdn_terms.py``).
 
 Gates ``g``: per token (``token``), per head (``head``), none, or per token with −∞ entries
 (``reset``: in batch element 0 only, at chunk boundaries and at random, so the other element

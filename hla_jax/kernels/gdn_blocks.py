@@ -1,9 +1,7 @@
 """The Triton parts of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``):
 its per-chunk terms (``chunk_terms``) from the first-order kernel's UT transform
 (``kernels/gpu/gdn_ut.py``) and one program per chunk for the rest (``kernels/gpu/gdn_terms.py``)
-instead of XLA's batched triangular solve and einsums (``loglinear_chunked.chunk_terms``), and
-its chunk levels' reads (``levels``, ``kernels/gpu/gdn_levels.py``) instead of XLA's
-level-by-level products.
+instead of XLA's batched triangular solve and einsums (``loglinear_chunked.chunk_terms``).
 
 Per chunk of ``C = 64`` tokens, with ``ρ = exp(b)`` (``b`` the chunk-local cumulative log-decay,
 floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``), ``K̃ = (ρ_c/ρ)∘K``::
@@ -11,9 +9,9 @@ floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``
     T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β),   W = T(ρ∘K),   U = T V    (gdn_ut)
     P = (Q Kᵀ) ∘ Γ,   M = P T,   Q̂ = ρ∘Q − P W,   A_c = ρ_c I − K̃ᵀ W,   Z = K̃ᵀ U   (gdn_terms)
 
-(as ``loglinear_chunked.delta_terms`` in XLA; ``gdn_terms`` gives its own backward, the gate's
-part included). The UT kernel's backward takes ``dW`` and ``dU`` for ``b`` held fixed. ``T``'s own
-cotangent ``dT`` (from ``M``) enters as ``C`` more value columns: ``T = T I``, so the backward
+(as ``loglinear_chunked.delta_terms`` in XLA, whose autodiff is ``gdn_terms``' backward: a
+Triton backward of its own, one program per chunk, was slower on the H200). The UT kernel's
+backward takes ``dW`` and ``dU`` for ``b`` held fixed. ``T``'s own cotangent ``dT`` (from ``M``) enters as ``C`` more value columns: ``T = T I``, so the backward
 runs on ``V_ext = [V | I]`` with ``dU_ext = [dU | dT]``. The gate's part follows from ``T = D_ρ T₀
 D_ρ⁻¹`` (``T₀`` gate-free): ``W_τ = ρ_τ (T₀K)_τ`` and ``U = D_ρ T₀ D_ρ⁻¹ V``, so ``∂L/∂b = w·dW +
 u·dU − v·dV`` per token, over ``V_ext``'s columns (``w·dW`` and ``v·dV`` are sums the kernel
@@ -28,9 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.kernels import wrap
-from hla_jax.kernels.gpu import gdn_levels, gdn_terms, gdn_ut
+from hla_jax.kernels.gpu import gdn_terms, gdn_ut
 from hla_jax.kernels.gpu.la_mgpu import F32, C
-from hla_jax.ops.loglinear_blocks import halves
+from hla_jax.ops import common
+from hla_jax.ops.loglinear_chunked import delta_terms
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -75,8 +74,24 @@ def _delta_fwd(q, k, w, u, t, b, interpret):
     return delta(q, k, w, u, t, b, interpret), (q, k, w, u, t, b)
 
 
+def _delta_xla(q, k, w, u, t, b):
+    """``gdn_terms.forward`` by XLA (``loglinear_chunked.delta_terms``), in its layouts."""
+    B, Tp, H, d = q.shape
+    N = Tp // C
+    chunked = lambda x: jnp.moveaxis(x.astype(F32), 2, 1).reshape(B, H, N, C, -1)  # noqa: E731
+    bb = b.reshape(B, H, N, C)
+    lower = jnp.tril(jnp.ones((C, C), bool))
+    Gam = jnp.exp(jnp.where(lower, bb[..., :, None] - bb[..., None, :], -jnp.inf))
+    M, Qh, A_c, Kt = delta_terms(chunked(q), chunked(k), Gam, jnp.exp(bb),
+                                 t.reshape(B, H, N, C, C), chunked(w))
+    Z = common.ein("...cd,...cv->...dv", Kt, chunked(u))
+    return (M.reshape(B, H, Tp, C), Qh.reshape(B, H, Tp, d).astype(q.dtype), A_c.astype(q.dtype),
+            Z.astype(q.dtype))
+
+
 def _delta_bwd(interpret, res, cts):
-    return gdn_terms.backward(*res, *cts, interpret=interpret)
+    """XLA's autodiff of ``_delta_xla`` (its unused forward products are dead code there)."""
+    return jax.vjp(_delta_xla, *res)[1](cts)
 
 
 delta.defvjp(_delta_fwd, _delta_bwd)
@@ -103,46 +118,3 @@ def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
     M, Qh, A_c, Z = delta(q, k, w, u, t, b, interpret)
     chunk = lambda x: x.reshape(B, H, N, C, -1)                                 # noqa: E731
     return chunk(M), chunk(Qh), A_c, Z[..., :dv]
-
-
-def _stacked(nodes):
-    """The levels' nodes ``[B,H,n_i,…]`` stacked along axis 2, and each level's offset."""
-    sizes = [x.shape[2] for x in nodes]
-    return jnp.concatenate(nodes, 2), tuple(int(sum(sizes[:i])) for i in range(len(sizes)))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def levels(qh, lam, pis, zs, interpret):
-    """The chunk levels' reads ``o [B,H,Tp,dv]`` float32 through the Triton kernel
-    (``kernels/gpu/gdn_levels.py``) from ``qh [B,H,Tp,d]``, ``lam [B,H,Lv,Tp]`` float32 and the
-    up-sweep's left nodes ``pis[i] [B,H,n_i,d,d]``, ``zs[i] [B,H,n_i,d,dv]`` of each level
-    ``i < Lv`` (``n_i = ⌈N/2^(i+1)⌉``), all in ``qh``'s dtype."""
-    pi, offsets = _stacked(pis)
-    return gdn_levels.forward(qh, lam, pi, _stacked(zs)[0], offsets=offsets, interpret=interpret)
-
-
-def _levels_fwd(qh, lam, pis, zs, interpret):
-    return levels(qh, lam, pis, zs, interpret), (qh, lam, pis, zs)
-
-
-def _levels_bwd(interpret, res, do):
-    """The kernel's ``dQ̂``, ``dλ``; level ``i``'s nodes from its right halves' tokens ``R``:
-    ``dZ_i = Σ_{t∈R} λ_i rⁱ_t ⊗ do_t``, ``dΠ_i = Σ_{t∈R} rⁱ_t ⊗ drⁱ⁺¹_t``."""
-    qh, lam, pis, zs = res
-    pi, offsets = _stacked(pis)
-    dq, dlam, rs, drs = gdn_levels.backward(qh, lam, pi, _stacked(zs)[0], do, offsets=offsets,
-                                            interpret=interpret)
-    dt = qh.dtype
-    prec = None if jnp.dtype(dt).itemsize < 4 else jax.lax.Precision.HIGHEST
-
-    def node(i, a, b):   # Σ_{t∈R} a_t ⊗ b_t over level i's right halves
-        a, b = (halves(x, C << i)[:, :, :, 1] for x in (a, b))
-        return jnp.einsum("bhntd,bhnte->bhnde", a, b, precision=prec,
-                          preferred_element_type=F32).astype(dt)
-
-    levels_ = range(len(pis))
-    return (dq, dlam, tuple(node(i, rs[i], drs[i]) for i in levels_),
-            tuple(node(i, rs[i], (lam[:, :, i, :, None] * do).astype(dt)) for i in levels_))
-
-
-levels.defvjp(_levels_fwd, _levels_bwd)

@@ -20,13 +20,11 @@ right half,
 
 Each level is four batched matmuls, two combining adjacent blocks and two over the right
 halves' tokens: O(T·c·d + T·d·(d+dv)·log(T/c) + (T/c)·d²·(d+dv)) work, depth O(log T), no
-scan; autodiff gives the backward.  With ``terms="kernel"`` the token side runs as one Triton
-program per chunk that walks its own levels (``kernels.gdn_blocks.levels``), with its own
-backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V``
+scan; autodiff gives the backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V``
 (``loglinear_chunked.window``).
 Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
 transitions). The chunk terms are formed in the state dtype at the caller's matmul precision
-(``common.matmul_precision``; ``terms="kernel"``'s Triton kernels likewise, TF32 for 16-bit
+(``common.matmul_precision``; ``terms="kernel"``'s Triton forward likewise, TF32 for 16-bit
 inputs). With 16-bit inputs ``Q̂``, ``A_c``, ``Z``, ``V`` are kept in 16 bits, and so are the
 up-sweep's ``(Π, Z)`` and the running query ``r``: the sweeps and reads take 16-bit operands with
 float32 accumulation, forward and backward (``loglinear_blocks.dot16``), as the kernels do, their
@@ -37,7 +35,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
 from hla_jax.ops import common, fenwick
@@ -59,49 +56,23 @@ def _pairs(Pi, Z, dot):
     return (PiL, ZL), (Pi2.astype(Pi.dtype), Z2.astype(Z.dtype))
 
 
-def _upsweep(Pi, Z, N: int, dot):
-    """The up-sweep's left nodes ``[(Π_L, Z_L)]`` of each level ``i < num_levels(N) − 1`` (module
-    docstring) from the chunks' ``Pi [B,H,N,d,d]``, ``Z [B,H,N,d,dv]``: ``[B,H,⌈N/2^(i+1)⌉,…]``."""
-    nodes = []
-    for _ in range(fenwick.num_levels(N) - 1):
-        left, (Pi, Z) = _pairs(Pi, Z, dot)
-        nodes.append(left)
-    return nodes
-
-
-def _read(Qh, nodes, Lam, c: int, dot):
-    """The levels' reads (module docstring) by XLA: ``Qh [B,H,Tp,d]``, the up-sweep's ``nodes``,
-    ``Lam [B,H,Tp,Lv]`` (``λ`` at the chunk levels), chunks of ``c`` -> ``[B,H,Tp,dv]``."""
+def _levels(Qh, Pi, Z, Lam, lc: int, N: int):
+    """The chunk levels (module docstring): ``Qh [B,H,Tp,d]`` per token, ``Pi [B,H,N,d,d]`` and
+    ``Z [B,H,N,d,dv]`` per chunk, all in one dtype, ``Lam [B,H,Tp,L]`` -> ``[B,H,Tp,dv]``; 16-bit
+    terms: ``dot16`` products, ``r``, ``Π``, ``Z`` rounded back to 16 bits, the output float32."""
     B, H, Tp, d = Qh.shape
+    dot = dot16 if jnp.dtype(Qh.dtype).itemsize < 4 else common.ein
     r, out = Qh, 0.0
-    for i, (PiL, ZL) in enumerate(nodes):
-        span = c << i
+    for i in range(fenwick.num_levels(N) - 1):
+        (PiL, ZL), (Pi, Z) = _pairs(Pi, Z, dot)
+        span = (Tp // N) << i
         rh = halves(r, span)                                       # [B,H,nb,2,span,d]
-        lam = halves(Lam[..., i], span)[:, :, :, 1, :, None]
+        lam = halves(Lam[..., lc + 1 + i], span)[:, :, :, 1, :, None]
         o = lam * dot("bhntd,bhnde->bhnte", rh[:, :, :, 1], ZL)
         rPi = dot("bhntd,bhnde->bhnte", rh[:, :, :, 1], PiL).astype(r.dtype)
         r = jnp.stack([rh[:, :, :, 0], rPi], 3).reshape(B, H, -1, d)[:, :, :Tp]
         out = out + jnp.stack([jnp.zeros_like(o), o], 3).reshape(B, H, -1, o.shape[-1])[:, :, :Tp]
     return out
-
-
-def _levels(Qh, Pi, Z, Lam, lc: int, N: int, kernel: bool = False):
-    """The chunk levels (module docstring): ``Qh [B,H,Tp,d]`` per token, ``Pi [B,H,N,d,d]`` and
-    ``Z [B,H,N,d,dv]`` per chunk, all in one dtype, ``Lam [B,H,Tp,L]`` -> ``[B,H,Tp,dv]`` float32;
-    16-bit terms: ``dot16`` products, ``r``, ``Π``, ``Z`` rounded back to 16 bits.  ``kernel``:
-    the reads by the Triton kernel (``kernels.gdn_blocks.levels``), else by XLA."""
-    dot = dot16 if jnp.dtype(Qh.dtype).itemsize < 4 else common.ein
-    nodes = _upsweep(Pi, Z, N, dot)
-    lam = Lam[..., lc + 1:lc + 1 + len(nodes)]
-    if not nodes:
-        return jnp.zeros(Qh.shape[:3] + Z.shape[-1:], jnp.result_type(jnp.float32, Qh.dtype))
-    pow2 = lambda n: n >= 16 and n & (n - 1) == 0                    # noqa: E731
-    if not (kernel and pow2(Qh.shape[-1]) and pow2(Z.shape[-1])):
-        return _read(Qh, nodes, lam, Qh.shape[2] // N, dot)
-    from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
-    pis, zs = zip(*nodes)
-    return gdn_blocks.levels(Qh, jnp.moveaxis(lam, -1, 2).astype(jnp.float32), pis, zs,
-                             jax.default_backend() == "cpu")
 
 
 def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
@@ -110,14 +81,12 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     ``v [B,T,H,dv]``, ``g, beta [B,T,H]``, ``lam [B,T,H,L ≥ fenwick.num_levels(T)]``,
     ``chunk_size`` a power of two -> ``[B,T,H,dv]`` in the state dtype (float32; float64 for
     float64 inputs).  ``terms="kernel"``: the per-chunk terms from the first-order kernel's UT
-    transform and the chunk levels' reads from a Triton kernel where ``d`` and ``dv`` are powers
-    of two (``kernels.gdn_blocks``; chunk 64, ``d`` a power of two ≥ 16; the Triton interpreter
-    on CPU; log-decays floored at ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
+    transform (``kernels.gdn_blocks``; chunk 64, ``d`` a power of two ≥ 16; the Triton
+    interpreter on CPU; log-decays floored at ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
     M, Qh, A_c, Z, V, Lam = chunk_parts(q, k, v, g, beta, lam, chunk_size, terms)
     B, H, N, c, d = Qh.shape
     out = window(Lam.reshape(B, H, N, c, -1), M, V, fenwick.level_table(c)).reshape(B, H, N * c, -1)
-    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, fenwick.chunk_log2(c), N,
-                        terms == "kernel")
+    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, fenwick.chunk_log2(c), N)
     return jnp.moveaxis(out, 1, 2)[:, :q.shape[1]]
 
 

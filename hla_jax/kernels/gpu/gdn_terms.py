@@ -6,12 +6,8 @@ the chunk's end, ``Γ[τ,σ] = ρ_τ/ρ_σ`` for ``τ ≥ σ``), the UT transfor
 
     P = (Q Kᵀ) ∘ Γ,   M = P T,   Q̂ = ρ∘Q − P W,   K̃ = (ρ_c/ρ)∘K,   A_c = ρ_c I − K̃ᵀ W,   Z = K̃ᵀ U
 
-(``loglinear_chunked.delta_terms`` in XLA), and the backward from ``dM, dQ̂, dA_c, dZ``::
-
-    dP = dM Tᵀ − dQ̂ Wᵀ,   dT = Pᵀ dM,   dW = −Pᵀ dQ̂ − K̃ dA_c,   dU = K̃ dZ
-    dK̃ = −W dA_cᵀ + U dZᵀ,   dS = dP ∘ Γ,   dQ = ρ∘dQ̂ + dS K,   dK = dSᵀ Q + (ρ_c/ρ)∘dK̃
-    db = ρ∘rowsum(dQ̂∘Q) + rowsum(E) − colsum(E) − x,   E = dP∘P,   x = rowsum(dK̃∘K̃),
-    db_end += ρ_c tr(dA_c) + Σ x
+(``loglinear_chunked.delta_terms`` in XLA, whose autodiff is its backward:
+``kernels.gdn_blocks.delta``).
 
 Inputs stay in the caller's layout, ``q, k, w [B,Tp,H,d]``, ``u [B,Tp,H,dv]`` (``dv`` a
 multiple of 64, taken 128 or 64 columns at a time), ``t [B,H,Tp,c]`` and ``b [B,H,Tp]`` float32;
@@ -30,19 +26,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from hla_jax.kernels.gpu.gdn_ut import _call, _over_value_tiles, _rows
-from hla_jax.kernels.la_chunk import F32, at_end, decays, dot
+from hla_jax.kernels.la_chunk import F32, decays, dot
 from hla_jax.kernels.loglinear_gdn_chunk import tri_dot
 
 
 def _eye(d):
     return lax.broadcasted_iota(jnp.int32, (d, d), 0) == lax.broadcasted_iota(jnp.int32, (d, d), 1)
-
-
-def _chunk(q_ref, k_ref, w_ref, b_ref, i, h, ts):
-    """``(Q, K, W, ρ, ρ_c, ρ_c/ρ, Γ, P, K̃)`` of this program's chunk."""
-    Q, K, W = q_ref[i, ts, h, :], k_ref[i, ts, h, :], w_ref[i, ts, h, :]
-    rho, rho_c, e, Gam, _ = decays(b_ref[i, h, ts])
-    return Q, K, W, rho, rho_c, e, Gam, dot(Q, K, tb=True) * Gam, e[:, None] * K.astype(F32)
 
 
 @functools.partial(jax.jit, static_argnames=("c", "num_warps", "interpret"))
@@ -51,7 +40,9 @@ def forward(q, k, w, u, t, b, *, c=64, num_warps=4, interpret=False):
     def kernel(q_ref, k_ref, w_ref, u_ref, t_ref, b_ref, m_ref, qh_ref, a_ref, z_ref):
         i, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         ts = _rows(c)
-        Q, K, W, rho, rho_c, _, _, P, Kt = _chunk(q_ref, k_ref, w_ref, b_ref, i, h, ts)
+        Q, K, W = q_ref[i, ts, h, :], k_ref[i, ts, h, :], w_ref[i, ts, h, :]
+        rho, rho_c, e, Gam, _ = decays(b_ref[i, h, ts])
+        P, Kt = dot(Q, K, tb=True) * Gam, e[:, None] * K.astype(F32)
         fast = K.dtype == jnp.bfloat16
         m_ref[i, h, ts, :] = tri_dot(P, t_ref[i, h, ts, :], fast)
         qh_ref[i, h, ts, :] = (rho[:, None] * Q.astype(F32) - tri_dot(P, W, fast)).astype(qh_ref.dtype)
@@ -70,40 +61,3 @@ def forward(q, k, w, u, t, b, *, c=64, num_warps=4, interpret=False):
                  jax.ShapeDtypeStruct((B, H, N, d, d), dt),
                  jax.ShapeDtypeStruct((B, H, N, d, u.shape[-1]), dt)]
     return _call(kernel, out_shape, c, num_warps, interpret, q, k, w, u, t, b)
-
-
-@functools.partial(jax.jit, static_argnames=("c", "num_warps", "interpret"))
-def backward(q, k, w, u, t, b, dm, dqh, da, dz, *, c=64, num_warps=4, interpret=False):
-    """``(dq, dk, dw, du`` in the inputs' dtypes, ``dt [B,H,Tp,c]``, ``db [B,H,Tp]`` float32) from
-    the cotangents of ``forward``'s outputs (module docstring)."""
-    def kernel(q_ref, k_ref, w_ref, u_ref, t_ref, b_ref, dm_ref, dqh_ref, da_ref, dz_ref,
-               dq_ref, dk_ref, dw_ref, du_ref, dt_ref, db_ref):
-        i, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        ts = _rows(c)
-        Q, K, W, rho, rho_c, e, Gam, P, Kt = _chunk(q_ref, k_ref, w_ref, b_ref, i, h, ts)
-        fast = K.dtype == jnp.bfloat16
-        dM, dQh = dm_ref[i, h, ts, :], dqh_ref[i, h, ts, :].astype(F32)
-        dA = da_ref[i, h, n, :, :].astype(F32)
-        dP = tri_dot(dM, t_ref[i, h, ts, :], fast, tb=True) - tri_dot(dQh, W, fast, tb=True)
-        dt_ref[i, h, ts, :] = tri_dot(P, dM, fast, ta=True)
-        dW = -tri_dot(P, dQh, fast, ta=True) - tri_dot(Kt, dA, fast)
-        dw_ref[i, ts, h, :] = dW.astype(dw_ref.dtype)
-
-        def z_tile(cols, dKt):   # dU = K̃ dZ and U dZᵀ, a value tile at a time
-            dZ = dz_ref[i, h, n, :, cols].astype(F32)
-            du_ref[i, ts, h, cols] = tri_dot(Kt, dZ, fast).astype(du_ref.dtype)
-            return dKt + tri_dot(u_ref[i, ts, h, cols], dZ, fast, tb=True)
-
-        dKt = _over_value_tiles(u.shape[-1], z_tile, -tri_dot(W, dA, fast, tb=True))
-        dS = dP * Gam
-        dq_ref[i, ts, h, :] = (rho[:, None] * dQh + tri_dot(dS, K, fast)).astype(dq_ref.dtype)
-        dk_ref[i, ts, h, :] = (tri_dot(dS, Q, fast, ta=True) + e[:, None] * dKt).astype(dk_ref.dtype)
-        E, x = dP * P, jnp.sum(dKt * Kt, 1)
-        end = rho_c * jnp.sum(jnp.where(_eye(dA.shape[0]), dA, 0.0)) + jnp.sum(x)
-        db_ref[i, h, ts] = (rho * jnp.sum(dQh * Q.astype(F32), 1) + jnp.sum(E, 1) - jnp.sum(E, 0)
-                            - x + at_end(end, c))
-
-    per_token = jax.ShapeDtypeStruct(b.shape, F32)
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, w, u)] + [
-        jax.ShapeDtypeStruct(t.shape, F32), per_token]
-    return _call(kernel, out_shape, c, num_warps, interpret, q, k, w, u, t, b, dm, dqh, da, dz)
