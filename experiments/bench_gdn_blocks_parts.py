@@ -44,20 +44,18 @@ def timed(fn, *args, repeats=10):
 
 def parts(args, terms: str, repeats: int) -> dict:
     """The parts of ``blocks(*args, 64, terms)`` timed on their own inputs."""
-    q = args[0]
     whole = functools.partial(loglinear_gdn_blocks.blocks, chunk_size=64, terms=terms)
     split = functools.partial(loglinear_gdn_blocks.chunk_parts, chunk_size=64, terms=terms)
     M, Qh, A_c, Z, V, Lam = jax.jit(split)(*args)
     B, H, N, c, d = Qh.shape
     lev = fenwick.level_table(c)
-    dot = functools.partial(loglinear_gdn_blocks._low, dtype=q.dtype)
     row = {"terms": terms,
            "chunk_parts": timed(split, *args, repeats=repeats),
            "window": timed(lambda L, M, V: loglinear_chunked.window(L.reshape(B, H, N, c, -1),
                                                                     M, V, lev), Lam, M, V,
                            repeats=repeats),
            "levels": timed(lambda Qh, A, Z, L: loglinear_gdn_blocks._levels(
-               Qh.reshape(B, H, N * c, d), A, Z, L, fenwick.chunk_log2(c), N, dot),
+               Qh.reshape(B, H, N * c, d), A, Z, L, fenwick.chunk_log2(c), N),
                Qh, A_c, Z, Lam, repeats=repeats),
            "whole": timed(whole, *args, repeats=repeats)}
     row["rest"] = tuple(row["whole"][j] - sum(row[p][j] for p in ("chunk_parts", "window", "levels"))

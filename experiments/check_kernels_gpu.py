@@ -26,7 +26,8 @@ Kernels (``CASES``), compiled, not interpreted:
   the block forms (``ops.loglinear_blocks``, ``ops.loglinear_gdn_blocks``: XLA matmuls, no kernel
   of their own), GPU numerics checked the same way;
 - ``loglinear_gated_deltanet_blocks_ut``: ``ops.loglinear_gdn_blocks.blocks(terms="kernel")``, that
-  block form with its chunk terms from the first-order kernel's Triton UT transform.
+  block form with its chunk terms from the first-order kernel's Triton UT transform and the
+  Triton chunk-terms kernel (``kernels/gpu/gdn_terms.py``).
 
 Gates ``g``: per token (``token``), per head (``head``), none, or per token with −∞ entries
 (``reset``: in batch element 0 only, at chunk boundaries and at random, so the other element
@@ -69,7 +70,7 @@ from hla_jax.ops.ssm import LevelState
 HLA = ("hla2", "ahla", "hla3")
 LOGLINEAR = ("loglinear_mamba2", "loglinear_gated_deltanet")
 BLOCKS = ("loglinear_mamba2_blocks", "loglinear_gated_deltanet_blocks")  # impl="chunked", XLA
-BLOCKS_UT = "loglinear_gated_deltanet_blocks_ut"  # the GDN block form on the UT kernel's terms
+BLOCKS_UT = "loglinear_gated_deltanet_blocks_ut"  # the GDN block form on its Triton kernels
 WITH_LAM = LOGLINEAR + BLOCKS + (BLOCKS_UT,)
 # keys L2-normalised, a β
 DELTA = ("gated_deltanet", "loglinear_gated_deltanet", "loglinear_gated_deltanet_blocks", BLOCKS_UT)

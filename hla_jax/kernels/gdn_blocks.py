@@ -1,20 +1,21 @@
-"""The per-chunk terms of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``)
-from the first-order kernel's Triton UT transform (``kernels/gpu/gdn_ut.py``) instead of XLA's
-batched triangular solve (``loglinear_chunked.chunk_terms``).
+"""The Triton parts of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``):
+its per-chunk terms (``chunk_terms``) from the first-order kernel's UT transform
+(``kernels/gpu/gdn_ut.py``) and one program per chunk for the rest (``kernels/gpu/gdn_terms.py``)
+instead of XLA's batched triangular solve and einsums (``loglinear_chunked.chunk_terms``).
 
 Per chunk of ``C = 64`` tokens, with ``ρ = exp(b)`` (``b`` the chunk-local cumulative log-decay,
 floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``), ``K̃ = (ρ_c/ρ)∘K``::
 
-    T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β),   W = T(ρ∘K),   U = T V     (the kernel)
-    P = (Q Kᵀ) ∘ Γ,   M = P T,   Q̂ = ρ∘Q − P W,   A_c = ρ_c I − K̃ᵀ W,   Z = K̃ᵀ U    (XLA)
+    T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β),   W = T(ρ∘K),   U = T V    (gdn_ut)
+    P = (Q Kᵀ) ∘ Γ,   M = P T,   Q̂ = ρ∘Q − P W,   A_c = ρ_c I − K̃ᵀ W,   Z = K̃ᵀ U   (gdn_terms)
 
-(XLA's part: ``loglinear_chunked.delta_terms``.)  The kernel's backward takes ``dW`` and ``dU``
-for ``b`` held fixed.  ``T``'s own cotangent ``dT`` (from ``M``) enters as ``C`` more value
-columns: ``T = T I``, so the backward runs on ``V_ext = [V | I]`` with ``dU_ext = [dU | dT]``.
-The gate's part follows from ``T = D_ρ T₀ D_ρ⁻¹`` (``T₀`` gate-free): ``W_τ = ρ_τ (T₀K)_τ`` and
-``U = D_ρ T₀ D_ρ⁻¹ V``, so
-``∂L/∂b = w·dW + u·dU − v·dV`` per token, over ``V_ext``'s columns (``w·dW`` and ``v·dV`` are
-sums the kernel already returns).
+(as ``loglinear_chunked.delta_terms`` in XLA, whose autodiff is ``gdn_terms``' backward: a
+Triton backward of its own, one program per chunk, was slower on the H200). The UT kernel's
+backward takes ``dW`` and ``dU`` for ``b`` held fixed. ``T``'s own cotangent ``dT`` (from ``M``) enters as ``C`` more value columns: ``T = T I``, so the backward
+runs on ``V_ext = [V | I]`` with ``dU_ext = [dU | dT]``. The gate's part follows from ``T = D_ρ T₀
+D_ρ⁻¹`` (``T₀`` gate-free): ``W_τ = ρ_τ (T₀K)_τ`` and ``U = D_ρ T₀ D_ρ⁻¹ V``, so ``∂L/∂b = w·dW +
+u·dU − v·dV`` per token, over ``V_ext``'s columns (``w·dW`` and ``v·dV`` are sums the kernel
+already returns).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.kernels import wrap
-from hla_jax.kernels.gpu import gdn_ut
+from hla_jax.kernels.gpu import gdn_terms, gdn_ut
 from hla_jax.kernels.gpu.la_mgpu import F32, C
+from hla_jax.ops import common
+from hla_jax.ops.loglinear_chunked import delta_terms
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -61,21 +64,57 @@ def _ut_bwd(interpret, res, cts):
 ut.defvjp(_ut_fwd, _ut_bwd)
 
 
-def ut_chunks(k, v, g, beta, Tp: int, interpret=None):
-    """``(G [B,H,N,C], T [B,H,N,C,C], W [B,H,N,C,d], U [B,H,N,C,dv])`` float32 per chunk, heads
-    first, for ``k [B,T,H,d]``, ``v [B,T,H,dv]``, ``g, beta [B,T,H]`` zero-padded to ``Tp`` tokens
-    (a multiple of ``C``): the log-decays ``G`` as floored here, and the UT kernel's ``T``, ``W``,
-    ``U`` (``loglinear_chunked.delta_terms`` forms the rest).  ``interpret=None``: the Triton
-    interpreter on CPU (which also takes float32 inputs)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def delta(q, k, w, u, t, b, interpret):
+    """``(M, Q̂, A_c, Z)`` from the UT transform's ``w, u, t`` (``kernels/gpu/gdn_terms.py``)."""
+    return gdn_terms.forward(q, k, w, u, t, b, interpret=interpret)
+
+
+def _delta_fwd(q, k, w, u, t, b, interpret):
+    return delta(q, k, w, u, t, b, interpret), (q, k, w, u, t, b)
+
+
+def _delta_xla(q, k, w, u, t, b):
+    """``gdn_terms.forward`` by XLA (``loglinear_chunked.delta_terms``), in its layouts."""
+    B, Tp, H, d = q.shape
+    N = Tp // C
+    chunked = lambda x: jnp.moveaxis(x.astype(F32), 2, 1).reshape(B, H, N, C, -1)  # noqa: E731
+    bb = b.reshape(B, H, N, C)
+    lower = jnp.tril(jnp.ones((C, C), bool))
+    Gam = jnp.exp(jnp.where(lower, bb[..., :, None] - bb[..., None, :], -jnp.inf))
+    M, Qh, A_c, Kt = delta_terms(chunked(q), chunked(k), Gam, jnp.exp(bb),
+                                 t.reshape(B, H, N, C, C), chunked(w))
+    Z = common.ein("...cd,...cv->...dv", Kt, chunked(u))
+    return (M.reshape(B, H, Tp, C), Qh.reshape(B, H, Tp, d).astype(q.dtype), A_c.astype(q.dtype),
+            Z.astype(q.dtype))
+
+
+def _delta_bwd(interpret, res, cts):
+    """XLA's autodiff of ``_delta_xla`` (its unused forward products are dead code there)."""
+    return jax.vjp(_delta_xla, *res)[1](cts)
+
+
+delta.defvjp(_delta_fwd, _delta_bwd)
+
+
+def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
+    """``(M [B,H,N,C,C]`` float32, ``Q̂ [B,H,N,C,d]``, ``A_c [B,H,N,d,d]``, ``Z [B,H,N,d,dv]`` in
+    ``q``'s dtype) per chunk, heads first, for ``q, k [B,T,H,d]``, ``v [B,T,H,dv]``,
+    ``g, beta [B,T,H]`` zero-padded to ``Tp`` tokens (a multiple of ``C``): the UT transform,
+    then ``P``, ``M``, ``Q̂``, ``A_c``, ``Z`` (``kernels/gpu/gdn_terms.py``), each with its own
+    backward.  ``interpret=None``: the Triton interpreter on CPU (which also takes float32
+    inputs)."""
     B, T, H, d = k.shape
     dv, N = v.shape[-1], Tp // C
-    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    interpret = bool(jax.default_backend() == "cpu" if interpret is None else interpret)
     if not interpret and jnp.dtype(k.dtype).itemsize != 2:
-        raise ValueError(f"gdn_blocks.ut_chunks: compiled, the UT kernel takes 16-bit k, v "
+        raise ValueError(f"gdn_blocks.chunk_terms: compiled, the kernels take 16-bit q, k, v "
                          f"(as kernels.gated_deltanet_pallas), got {k.dtype}")
     per_token = lambda x: jnp.swapaxes(jnp.pad(x.astype(F32), ((0, 0), (0, Tp - T), (0, 0))), 1, 2)
     G = jnp.maximum(per_token(g), wrap.LOG_DECAY_FLOOR).reshape(B, H, N, C)
-    w, u, t = ut(wrap.pad(k, Tp, d), wrap.pad(v, Tp, -(-dv // 64) * 64),
-                 jnp.cumsum(G, -1).reshape(B, H, Tp), per_token(beta), bool(interpret))
-    chunk = lambda x: jnp.swapaxes(x, 1, 2).astype(F32).reshape(B, H, N, C, -1)
-    return G, t.reshape(B, H, N, C, C), chunk(w), chunk(u)[..., :dv]
+    b = jnp.cumsum(G, -1).reshape(B, H, Tp)
+    q, k, v = wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, -(-dv // 64) * 64)
+    w, u, t = ut(k, v, b, per_token(beta), interpret)
+    M, Qh, A_c, Z = delta(q, k, w, u, t, b, interpret)
+    chunk = lambda x: x.reshape(B, H, N, C, -1)                                 # noqa: E731
+    return chunk(M), chunk(Qh), A_c, Z[..., :dv]

@@ -23,9 +23,12 @@ halves' tokens: O(T·c·d + T·d·(d+dv)·log(T/c) + (T/c)·d²·(d+dv)) work, d
 scan; autodiff gives the backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V``
 (``loglinear_chunked.window``).
 Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
-transitions).  The chunk terms run in the state dtype at the caller's matmul precision
-(``common.matmul_precision``); with 16-bit inputs the sweeps and reads take 16-bit operands with
-float32 accumulation, forward and backward (``loglinear_blocks.dot16``), as the kernels do.
+transitions). The chunk terms are formed in the state dtype at the caller's matmul precision
+(``common.matmul_precision``; ``terms="kernel"``'s Triton forward likewise, TF32 for 16-bit
+inputs). With 16-bit inputs ``Q̂``, ``A_c``, ``Z``, ``V`` are kept in 16 bits, and so are the
+up-sweep's ``(Π, Z)`` and the running query ``r``: the sweeps and reads take 16-bit operands with
+float32 accumulation, forward and backward (``loglinear_blocks.dot16``), as the kernels do, their
+results rounded back to 16 bits; ``M``, the window and the output are float32.
 """
 
 from __future__ import annotations
@@ -36,32 +39,29 @@ import jax.numpy as jnp
 
 from hla_jax.ops import common, fenwick
 from hla_jax.ops.loglinear_blocks import dot16, halves, heads_first
-from hla_jax.ops.loglinear_chunked import chunk_decays, chunk_terms, delta_terms, window
+from hla_jax.ops.loglinear_chunked import chunk_terms, window
 from hla_jax.ops.ssm import combine
-
-
-def _low(spec: str, a, b, dtype):
-    """``dot16`` on operands cast to the 16-bit ``dtype``."""
-    return dot16(spec, a.astype(dtype), b.astype(dtype))
 
 
 def _pairs(Pi, Z, dot):
     """Adjacent nodes ``(2m, 2m+1)`` of ``Pi [B,H,n,d,d]``, ``Z [B,H,n,d,dv]`` (an odd ``n`` gets an
     identity node at the end): the left ones ``(Π_L, Z_L)`` and the combined ``(Π, Z)``
-    (``ssm.combine``)."""
+    (``ssm.combine``) in their dtype."""
     if Pi.shape[2] % 2:
         eye = jnp.broadcast_to(jnp.eye(Pi.shape[-1], dtype=Pi.dtype), Pi.shape[:2] + (1,) + Pi.shape[3:])
         Pi = jnp.concatenate([Pi, eye], 2)
         Z = jnp.concatenate([Z, jnp.zeros_like(Z[:, :, :1])], 2)
     PiL, PiR, ZL, ZR = Pi[:, :, 0::2], Pi[:, :, 1::2], Z[:, :, 0::2], Z[:, :, 1::2]
-    mm = functools.partial(dot, "...ij,...jk->...ik")
-    return (PiL, ZL), combine((PiL, ZL), (PiR, ZR), mm)
+    Pi2, Z2 = combine((PiL, ZL), (PiR, ZR), functools.partial(dot, "...ij,...jk->...ik"))
+    return (PiL, ZL), (Pi2.astype(Pi.dtype), Z2.astype(Z.dtype))
 
 
-def _levels(Qh, Pi, Z, Lam, lc: int, N: int, dot):
+def _levels(Qh, Pi, Z, Lam, lc: int, N: int):
     """The chunk levels (module docstring): ``Qh [B,H,Tp,d]`` per token, ``Pi [B,H,N,d,d]`` and
-    ``Z [B,H,N,d,dv]`` per chunk, ``Lam [B,H,Tp,L]`` -> ``[B,H,Tp,dv]``."""
+    ``Z [B,H,N,d,dv]`` per chunk, all in one dtype, ``Lam [B,H,Tp,L]`` -> ``[B,H,Tp,dv]``; 16-bit
+    terms: ``dot16`` products, ``r``, ``Π``, ``Z`` rounded back to 16 bits, the output float32."""
     B, H, Tp, d = Qh.shape
+    dot = dot16 if jnp.dtype(Qh.dtype).itemsize < 4 else common.ein
     r, out = Qh, 0.0
     for i in range(fenwick.num_levels(N) - 1):
         (PiL, ZL), (Pi, Z) = _pairs(Pi, Z, dot)
@@ -69,8 +69,8 @@ def _levels(Qh, Pi, Z, Lam, lc: int, N: int, dot):
         rh = halves(r, span)                                       # [B,H,nb,2,span,d]
         lam = halves(Lam[..., lc + 1 + i], span)[:, :, :, 1, :, None]
         o = lam * dot("bhntd,bhnde->bhnte", rh[:, :, :, 1], ZL)
-        r = jnp.stack([rh[:, :, :, 0], dot("bhntd,bhnde->bhnte", rh[:, :, :, 1], PiL)], 3)
-        r = r.reshape(B, H, -1, d)[:, :, :Tp]
+        rPi = dot("bhntd,bhnde->bhnte", rh[:, :, :, 1], PiL).astype(r.dtype)
+        r = jnp.stack([rh[:, :, :, 0], rPi], 3).reshape(B, H, -1, d)[:, :, :Tp]
         out = out + jnp.stack([jnp.zeros_like(o), o], 3).reshape(B, H, -1, o.shape[-1])[:, :, :Tp]
     return out
 
@@ -85,34 +85,33 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     interpreter on CPU; log-decays floored at ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
     M, Qh, A_c, Z, V, Lam = chunk_parts(q, k, v, g, beta, lam, chunk_size, terms)
     B, H, N, c, d = Qh.shape
-    low = all(jnp.dtype(x.dtype).itemsize < 4 for x in (q, k, v))
-    dot = functools.partial(_low, dtype=q.dtype) if low else common.ein
     out = window(Lam.reshape(B, H, N, c, -1), M, V, fenwick.level_table(c)).reshape(B, H, N * c, -1)
-    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, fenwick.chunk_log2(c), N, dot)
+    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, fenwick.chunk_log2(c), N)
     return jnp.moveaxis(out, 1, 2)[:, :q.shape[1]]
 
 
 def chunk_parts(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
-    """``blocks``' per-chunk terms, heads first in the state dtype: ``(M [B,H,N,c,c],
-    Q̂ [B,H,N,c,d], A_c [B,H,N,d,d], Z [B,H,N,d,dv], V [B,H,N,c,dv], Λ [B,H,N·c,L])``, the
-    inputs zero-padded to ``N = ⌈T/c⌉`` chunks; ``terms`` as for ``blocks``."""
+    """``blocks``' per-chunk terms, heads first: ``(M [B,H,N,c,c], Q̂ [B,H,N,c,d],
+    A_c [B,H,N,d,d], Z [B,H,N,d,dv], V [B,H,N,c,dv], Λ [B,H,N·c,L])``, the inputs zero-padded to
+    ``N = ⌈T/c⌉`` chunks; ``terms`` as for ``blocks``.  All are formed in the state dtype;
+    with 16-bit ``q, k, v``, ``Q̂``, ``A_c``, ``Z`` and ``V`` are kept in ``q``'s dtype."""
     if terms not in ("xla", "kernel"):
         raise ValueError(f"loglinear_gdn_blocks: terms must be 'xla' or 'kernel', got {terms!r}")
     c = chunk_size
     fenwick.chunk_log2(c)                       # ValueError unless a power of two
     N = -(-q.shape[1] // c)
     dt = common.state_dtype(q, k, v, g, beta, lam)
-    Q, K, V, G, Beta, Lam = (heads_first(x, N * c, dt) for x in (q, k, v, g, beta, lam))
+    mdt = q.dtype if all(jnp.dtype(x.dtype).itemsize < 4 for x in (q, k, v)) else dt
     chunk = lambda x: x.reshape(x.shape[:2] + (N, c) + x.shape[3:])      # noqa: E731
+    V, Lam = chunk(heads_first(v, N * c, mdt)), heads_first(lam, N * c, dt)
     if terms == "kernel":
         from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
         if c != gdn_blocks.C or dt != jnp.float32:
             raise ValueError(f"loglinear_gdn_blocks: terms='kernel' takes chunk_size={gdn_blocks.C} "
                              f"and float32 or 16-bit inputs, got {chunk_size} and {dt}")
-        Gf, Tm, W, U = gdn_blocks.ut_chunks(k, v, g, beta, N * c)
-        M, Qh, A_c, Kt = delta_terms(chunk(Q), chunk(K), *chunk_decays(Gf), Tm, W)
-        Z = common.ein("...cd,...cv->...dv", Kt, U)
+        M, Qh, A_c, Z = gdn_blocks.chunk_terms(q, k, v, g, beta, N * c)
     else:
-        M, Qh, A_c, Kw = chunk_terms(*(chunk(x) for x in (Q, K, V, G, Beta)))
-        Z = common.ein("...cd,...cv->...dv", Kw, chunk(V))
-    return M, Qh, A_c, Z, chunk(V), Lam
+        Q, K, G, Beta = (chunk(heads_first(x, N * c, dt)) for x in (q, k, g, beta))
+        M, Qh, A_c, Kw = chunk_terms(Q, K, V, G, Beta)
+        Z = common.ein("...cd,...cv->...dv", Kw, V)
+    return M, Qh.astype(mdt), A_c.astype(mdt), Z.astype(mdt), V, Lam
