@@ -10,12 +10,13 @@ floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``
     P = (Q Kᵀ) ∘ Γ,   M = P T,   Q̂ = ρ∘Q − P W,   A_c = ρ_c I − K̃ᵀ W,   Z = K̃ᵀ U   (gdn_terms)
 
 (as ``loglinear_chunked.delta_terms`` in XLA, whose autodiff is ``gdn_terms``' backward: a
-Triton backward of its own, one program per chunk, was slower on the H200). The UT kernel's
-backward takes ``dW`` and ``dU`` for ``b`` held fixed. ``T``'s own cotangent ``dT`` (from ``M``) enters as ``C`` more value columns: ``T = T I``, so the backward
-runs on ``V_ext = [V | I]`` with ``dU_ext = [dU | dT]``. The gate's part follows from ``T = D_ρ T₀
-D_ρ⁻¹`` (``T₀`` gate-free): ``W_τ = ρ_τ (T₀K)_τ`` and ``U = D_ρ T₀ D_ρ⁻¹ V``, so ``∂L/∂b = w·dW +
-u·dU − v·dV`` per token, over ``V_ext``'s columns (``w·dW`` and ``v·dV`` are sums the kernel
-already returns).
+Triton backward of its own, one program per chunk, was slower on the H200).  The UT kernel's
+backward takes ``dW`` and ``dU`` for ``b`` held fixed.  ``T``'s own cotangent ``dT`` (from
+``M``) enters as ``C`` more value columns: ``T = T I``, so the backward runs on
+``V_ext = [V | I]`` with ``dU_ext = [dU | dT]``.  The gate's part follows from
+``T = D_ρ T₀ D_ρ⁻¹`` (``T₀`` gate-free): ``W_τ = ρ_τ (T₀K)_τ`` and ``U = D_ρ T₀ D_ρ⁻¹ V``, so
+``∂L/∂b = w·dW + u·dU − v·dV`` per token, over ``V_ext``'s columns (``w·dW`` and ``v·dV`` are
+sums the kernel already returns).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from hla_jax.kernels import wrap
 from hla_jax.kernels.gpu import gdn_terms, gdn_ut
 from hla_jax.kernels.gpu.la_mgpu import F32, C
+from hla_jax.kernels.la_chunk import decays
 from hla_jax.ops import common
 from hla_jax.ops.loglinear_chunked import delta_terms
 
@@ -80,8 +82,7 @@ def _delta_xla(q, k, w, u, t, b):
     N = Tp // C
     chunked = lambda x: jnp.moveaxis(x.astype(F32), 2, 1).reshape(B, H, N, C, -1)  # noqa: E731
     bb = b.reshape(B, H, N, C)
-    lower = jnp.tril(jnp.ones((C, C), bool))
-    Gam = jnp.exp(jnp.where(lower, bb[..., :, None] - bb[..., None, :], -jnp.inf))
+    Gam = jnp.vectorize(lambda x: decays(x)[3], signature="(c)->(c,c)")(bb)  # the kernel's Γ
     M, Qh, A_c, Kt = delta_terms(chunked(q), chunked(k), Gam, jnp.exp(bb),
                                  t.reshape(B, H, N, C, C), chunked(w))
     Z = common.ein("...cd,...cv->...dv", Kt, chunked(u))
@@ -101,9 +102,9 @@ def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
     """``(M [B,H,N,C,C]`` float32, ``Q̂ [B,H,N,C,d]``, ``A_c [B,H,N,d,d]``, ``Z [B,H,N,d,dv]`` in
     ``q``'s dtype) per chunk, heads first, for ``q, k [B,T,H,d]``, ``v [B,T,H,dv]``,
     ``g, beta [B,T,H]`` zero-padded to ``Tp`` tokens (a multiple of ``C``): the UT transform,
-    then ``P``, ``M``, ``Q̂``, ``A_c``, ``Z`` (``kernels/gpu/gdn_terms.py``), each with its own
-    backward.  ``interpret=None``: the Triton interpreter on CPU (which also takes float32
-    inputs)."""
+    then ``P``, ``M``, ``Q̂``, ``A_c``, ``Z`` (``kernels/gpu/gdn_terms.py``; their backward by
+    XLA's autodiff of the same terms).  ``interpret=None``: the Triton interpreter on CPU (which
+    also takes float32 inputs)."""
     B, T, H, d = k.shape
     dv, N = v.shape[-1], Tp // C
     interpret = bool(jax.default_backend() == "cpu" if interpret is None else interpret)
