@@ -21,13 +21,15 @@ three lrs: ``--target 0 --lrs 4.6e-4,2.2e-3,1e-2`` redo it).
 
 One *cell* = (mixer, dim): its (pairs, lr) models, 5 x 4 = 20 by default, train as ONE jitted
 *program* (at most ``--group`` models each; the groups are fixed, so a resumed cell finds its
-programs again). ``hla_jax.train.stacked`` stacks their states along a leading model axis and
-vmaps the trainer's own step over it: one compile per program, and 20 tiny models fill the GPU
-where one left it launch-bound. Each model is the ``train_and_evaluate`` run of
-``configs/mqar.py`` it stands for (init seed 0) at its own peak lr (exact: the optimizer is
-linear in the peak, see ``stacked``), except for the random numbers of its data: batches are
-drawn on device inside the step by ``MQAR.batch`` (the distribution of ``MQAR.example``), one
-per pair count and step, shared by the learning rates of that count.
+programs again; a program is named ``mixer/d<dim>[/mix]/lr<its lrs>[/<g>of<n>]``, so a sweep
+run one lr per call keeps one checkpoint and one timing per lr). ``hla_jax.train.stacked``
+stacks their states along a leading model axis and vmaps the trainer's own step over it: one
+compile per program, and 20 tiny models fill the GPU where one left it launch-bound. Each
+model is the ``train_and_evaluate`` run of ``configs/mqar.py`` it stands for (init seed 0) at
+its own peak lr (exact: the optimizer is linear in the peak, see ``stacked``), except for the
+random numbers of its data: batches are drawn on device inside the step by ``MQAR.batch`` (the
+distribution of ``MQAR.example``), one per pair count and step, shared by the learning rates of
+that count.
 
 Every ``--eval_every`` steps and at the last one, every model still training is evaluated on a
 fixed eval set of its pair count (``--eval_steps`` batches of ``--batch`` from the eval key):
@@ -625,12 +627,14 @@ def finish(res: dict, out: pathlib.Path, tag: str) -> str:
 
 def programs_of(args, ckpt_dir, mixer, dim, done) -> list[tuple]:
     """``[(name, todo, path)]``: the cell's programs (fixed groups of at most --group models) with
-    runs left to train or a checkpoint to resume."""
+    runs left to train or a checkpoint to resume; a program is named by its cell and learning
+    rates, so calls with other ``--lrs`` on the same tag keep their own checkpoints and timings."""
     models = cell_models(args)
     n_groups = math.ceil(len(models) / (args.group or len(models)))
     out = []
     for g, idx in enumerate(np.array_split(np.arange(len(models)), n_groups)):
-        name = (f"{mixer}/d{dim}" + ("/mix" if args.mixture else "")
+        lrs = "+".join(f"{lr:g}" for lr in sorted({models[j][1] for j in idx}))
+        name = (f"{mixer}/d{dim}" + ("/mix" if args.mixture else "") + f"/lr{lrs}"
                 + (f"/{g + 1}of{n_groups}" if n_groups > 1 else ""))
         path = ckpt_dir / (name.replace("/", "_") + ".npz")
         todo = [models[j] for j in idx if run_key(mixer, dim, *models[j]) not in done]
@@ -666,6 +670,7 @@ def main(argv=None) -> dict:
     if args.merge:  # settings from the shard files (the sweep's); mixers, dims, lrs and runs pooled
         pooled = {k: list(merged.get(k, [])) for k in ("mixers", "dims", "lrs")}
         partial = res.setdefault("partial", {})
+        res["settings"] = dict(merged or settings)  # a merge without shard files keeps the JSON's
         for shard in shard_files:
             part = common.read_json(shard)
             res["runs"].update(part["runs"])
@@ -674,8 +679,8 @@ def main(argv=None) -> dict:
             res["settings"] = dict(part.get("settings", settings))
             for k, seen in pooled.items():
                 seen += [x for x in res["settings"][k] if x not in seen]
-        res["settings"].update({k: (sorted(v) if k == "lrs" else v) or settings[k]
-                                for k, v in pooled.items()})
+        order = {"lrs": None, "dims": None, "mixers": (PAPER_MIXERS + MIXERS).index}  # sweep order
+        res["settings"].update({k: sorted(v, key=order[k]) or settings[k] for k, v in pooled.items()})
         for key in res["runs"]:
             partial.pop(key, None)
         md = finish(res, out, args.tag)

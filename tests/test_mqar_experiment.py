@@ -150,24 +150,26 @@ def test_mqar_sweep_resumes_and_shards(tmp_path, monkeypatch, jit_cache, free):
     # a call always takes a step, then checkpoints and stops (exit, no runs yet)
     cut = mqar.main(argv + ["--shard", "0/2", "--time_budget", "1e-3"])
     part = json.loads((tmp_path / "mqar_s.shard0of2.json").read_text())
-    assert part["runs"] == {} and part["cells"]["softmax/d16"]["steps"] == 1 and cut["runs"] == {}
-    assert (tmp_path / "mqar_s.ckpt" / "softmax_d16.npz").exists()
+    assert part["runs"] == {} and cut["runs"] == {}
+    assert part["cells"]["softmax/d16/lr0.0001+0.03"]["steps"] == 1
+    assert (tmp_path / "mqar_s.ckpt" / "softmax_d16_lr0.0001+0.03.npz").exists()
     for i in range(2):  # the same command goes on; shards take the same cells in every call
         mqar.main(argv + ["--shard", f"{i}/2"])
         part = json.loads((tmp_path / f"mqar_s.shard{i}of2.json").read_text())
         assert {r["mixer"] for r in part["runs"].values()} == {("softmax", "linear")[i]}
-    assert part["cells"]["linear/d16"]["calls"] == 1 and not (tmp_path / "mqar_s.ckpt").exists()
+    assert part["cells"]["linear/d16/lr0.0001+0.03"]["calls"] == 1 and not (tmp_path / "mqar_s.ckpt").exists()
     res = mqar.main(argv + ["--merge"])
     assert _fields({k: r for k, r in res["runs"].items() if r["mixer"] == "softmax"}) == _fields(
         free.records())  # an exact resume
     res, md = _outputs(tmp_path, "mqar_s")
-    assert len(res["runs"]) == 8 and set(res["cells"]) == {"linear/d16", "softmax/d16"}
+    assert len(res["runs"]) == 8
+    assert set(res["cells"]) == {"linear/d16/lr0.0001+0.03", "softmax/d16/lr0.0001+0.03"}
     run = res["runs"]["softmax/d16/kv2/lr0.03"]
     assert run["steps"] == 80 and 0.0 <= run["accuracy"] <= 1.0 and not run["diverged"]
     assert run["curve"]["step"] == list(range(5, 85, 5)) and run["curve"]["accuracy"][-1] == run["accuracy"]
-    assert np.isfinite(run["train_loss"]) and res["cells"]["linear/d16"]["models"] == 4
-    assert res["cells"]["linear/d16"]["step_ms"] > 0 and run["stopped_at"] is None
-    assert res["cells"]["softmax/d16"]["calls"] == 2
+    assert np.isfinite(run["train_loss"]) and res["cells"]["linear/d16/lr0.0001+0.03"]["models"] == 4
+    assert res["cells"]["linear/d16/lr0.0001+0.03"]["step_ms"] > 0 and run["stopped_at"] is None
+    assert res["cells"]["softmax/d16/lr0.0001+0.03"]["calls"] == 2
     assert res["best"]["linear"]["16"]["1"]["lr"] in (3e-2, 1e-4)
     assert res["settings"]["seq_len"] == 16 and res["paper"]["accuracy"]["mamba2"]["16"] == 46.9
     assert res["settings"]["protocol"] == "zoology" and res["settings"]["batch"] == 16
@@ -194,7 +196,8 @@ def test_mqar_merge_of_shard_files(tmp_path):
 
 
 def test_mqar_merge_pools_the_shards_mixers(tmp_path):
-    """Shards run with different ``--mixers`` merge into one table of all of them."""
+    """Shards run with different ``--mixers`` merge into one table of all of them, in the sweep's
+    mixer order; merging again without shard files keeps the JSON's settings."""
     run = lambda m, acc: {"mixer": m, "dim": 16, "pairs": 4, "lr": 0.01, "accuracy": acc,
                           "row_accuracy": 0.1}
     for i, (m, acc) in enumerate((("hla2", 0.5), ("softmax", 0.75))):
@@ -204,8 +207,14 @@ def test_mqar_merge_pools_the_shards_mixers(tmp_path):
             "runs": {f"{m}/d16/kv4/lr0.01": run(m, acc)}}))
     mqar.main(["--merge", "--tag", "u", "--out", str(tmp_path), "--jit_cache", ""])
     res, md = _outputs(tmp_path, "mqar_u")
-    assert res["settings"]["mixers"] == ["hla2", "softmax"] and res["settings"]["dims"] == [16]
+    assert res["settings"]["mixers"] == ["softmax", "hla2"] and res["settings"]["dims"] == [16]
     assert "| hla2 | 50.0 | – |" in md and "| softmax | 75.0 | ≥99.0 |" in md
+    assert md.index("| softmax |") < md.index("| hla2 |")
+    for shard in tmp_path.glob("mqar_u.shard*.json"):
+        shard.unlink()
+    mqar.main(["--merge", "--tag", "u", "--out", str(tmp_path), "--jit_cache", ""])
+    again, _ = _outputs(tmp_path, "mqar_u")
+    assert again["settings"] == res["settings"] and again["runs"] == res["runs"]
 
 
 def test_mqar_merge_adds_a_later_sweep_to_the_tag(tmp_path):
@@ -224,7 +233,7 @@ def test_mqar_merge_adds_a_later_sweep_to_the_tag(tmp_path):
     mqar.main(["--merge", "--tag", "v", "--out", str(tmp_path), "--jit_cache", ""])
     res, md = _outputs(tmp_path, "mqar_v")
     assert len(res["runs"]) == 3
-    assert res["settings"]["mixers"] == ["hla2", "softmax"] and res["settings"]["lrs"] == [0.001, 0.01]
+    assert res["settings"]["mixers"] == ["softmax", "hla2"] and res["settings"]["lrs"] == [0.001, 0.01]
     assert res["best"]["hla2"]["16"]["4"]["lr"] == 0.01
     assert "| hla2 | 50.0 | – |" in md and "| softmax | 75.0 | ≥99.0 |" in md
 
@@ -383,7 +392,8 @@ def test_mqar_sweep_compacts(tmp_path, free, jit_cache):
     stops = {m: _first_at(c, target) for m, c in zip(free.models, free.curve)}
     res = mqar.main(TINY + ["--mixers", "softmax", "--target", repr(target), "--compact_steps", "10",
                             "--tag", "c", "--out", str(tmp_path), "--jit_cache", jit_cache])
-    assert res["cells"]["softmax/d16"]["compactions"] == [{"step": max(stops.values()), "models": 2}]
+    assert res["cells"]["softmax/d16/lr0.0001+0.03"]["compactions"] == [
+        {"step": max(stops.values()), "models": 2}]
     ref, at = free.records(), max(stops.values())
     upto = lambda curve, last: [a for s, a in zip(curve["step"], curve["accuracy"]) if s <= last]
     for k, r in res["runs"].items():
@@ -417,7 +427,7 @@ def test_mqar_mixture_sweep(tmp_path, monkeypatch, jit_cache):
     _, md = _outputs(tmp_path, "mqar_mix")
     assert res["partial"] == {} and "Cut by" not in md
     assert set(res["runs"]) == {"softmax/d16/mix1-2/lr0.03", "softmax/d16/mix1-2/lr0.0001"}
-    assert set(res["cells"]) == {"softmax/d16/mix/1of2", "softmax/d16/mix/2of2"}
+    assert set(res["cells"]) == {"softmax/d16/mix/lr0.03/1of2", "softmax/d16/mix/lr0.0001/2of2"}
     for r in res["runs"].values():
         assert r["pairs"] == [1, 2] and set(r["per_pairs"]) == {"1", "2"}
         assert_close(r["accuracy"], np.mean([e["accuracy"] for e in r["per_pairs"].values()]), 1e-12)
