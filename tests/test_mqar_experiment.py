@@ -134,6 +134,7 @@ def jit_cache(tmp_path_factory):
 # share its shapes (steps included: the schedule is compiled in), hence its compiled programs.
 TINY = ["--dims", "16", "--pairs", "1,2", "--lrs", "3e-2,1e-4", "--steps", "80", "--seq_len", "16",
         "--vocab", "16", "--batch", "16", "--eval_steps", "1", "--eval_every", "5"]
+TINY_LRS = "lr0.0001+0.03"  # a TINY cell's program, named by its learning rates
 FAST = (1, 3e-2)  # pairs, lr
 RESULT_FIELDS = ("accuracy", "row_accuracy", "loss", "train_loss", "curve", "steps", "stopped_at")
 
@@ -151,25 +152,25 @@ def test_mqar_sweep_resumes_and_shards(tmp_path, monkeypatch, jit_cache, free):
     cut = mqar.main(argv + ["--shard", "0/2", "--time_budget", "1e-3"])
     part = json.loads((tmp_path / "mqar_s.shard0of2.json").read_text())
     assert part["runs"] == {} and cut["runs"] == {}
-    assert part["cells"]["softmax/d16/lr0.0001+0.03"]["steps"] == 1
-    assert (tmp_path / "mqar_s.ckpt" / "softmax_d16_lr0.0001+0.03.npz").exists()
+    assert part["cells"][f"softmax/d16/{TINY_LRS}"]["steps"] == 1
+    assert (tmp_path / "mqar_s.ckpt" / f"softmax_d16_{TINY_LRS}.npz").exists()
     for i in range(2):  # the same command goes on; shards take the same cells in every call
         mqar.main(argv + ["--shard", f"{i}/2"])
         part = json.loads((tmp_path / f"mqar_s.shard{i}of2.json").read_text())
         assert {r["mixer"] for r in part["runs"].values()} == {("softmax", "linear")[i]}
-    assert part["cells"]["linear/d16/lr0.0001+0.03"]["calls"] == 1 and not (tmp_path / "mqar_s.ckpt").exists()
+    assert part["cells"][f"linear/d16/{TINY_LRS}"]["calls"] == 1 and not (tmp_path / "mqar_s.ckpt").exists()
     res = mqar.main(argv + ["--merge"])
     assert _fields({k: r for k, r in res["runs"].items() if r["mixer"] == "softmax"}) == _fields(
         free.records())  # an exact resume
     res, md = _outputs(tmp_path, "mqar_s")
     assert len(res["runs"]) == 8
-    assert set(res["cells"]) == {"linear/d16/lr0.0001+0.03", "softmax/d16/lr0.0001+0.03"}
+    assert set(res["cells"]) == {f"linear/d16/{TINY_LRS}", f"softmax/d16/{TINY_LRS}"}
     run = res["runs"]["softmax/d16/kv2/lr0.03"]
     assert run["steps"] == 80 and 0.0 <= run["accuracy"] <= 1.0 and not run["diverged"]
     assert run["curve"]["step"] == list(range(5, 85, 5)) and run["curve"]["accuracy"][-1] == run["accuracy"]
-    assert np.isfinite(run["train_loss"]) and res["cells"]["linear/d16/lr0.0001+0.03"]["models"] == 4
-    assert res["cells"]["linear/d16/lr0.0001+0.03"]["step_ms"] > 0 and run["stopped_at"] is None
-    assert res["cells"]["softmax/d16/lr0.0001+0.03"]["calls"] == 2
+    assert np.isfinite(run["train_loss"]) and res["cells"][f"linear/d16/{TINY_LRS}"]["models"] == 4
+    assert res["cells"][f"linear/d16/{TINY_LRS}"]["step_ms"] > 0 and run["stopped_at"] is None
+    assert res["cells"][f"softmax/d16/{TINY_LRS}"]["calls"] == 2
     assert res["best"]["linear"]["16"]["1"]["lr"] in (3e-2, 1e-4)
     assert res["settings"]["seq_len"] == 16 and res["paper"]["accuracy"]["mamba2"]["16"] == 46.9
     assert res["settings"]["protocol"] == "zoology" and res["settings"]["batch"] == 16
@@ -392,7 +393,7 @@ def test_mqar_sweep_compacts(tmp_path, free, jit_cache):
     stops = {m: _first_at(c, target) for m, c in zip(free.models, free.curve)}
     res = mqar.main(TINY + ["--mixers", "softmax", "--target", repr(target), "--compact_steps", "10",
                             "--tag", "c", "--out", str(tmp_path), "--jit_cache", jit_cache])
-    assert res["cells"]["softmax/d16/lr0.0001+0.03"]["compactions"] == [
+    assert res["cells"][f"softmax/d16/{TINY_LRS}"]["compactions"] == [
         {"step": max(stops.values()), "models": 2}]
     ref, at = free.records(), max(stops.values())
     upto = lambda curve, last: [a for s, a in zip(curve["step"], curve["accuracy"]) if s <= last]
