@@ -1,8 +1,10 @@
 """The first-order Gated DeltaNet kernel (``kernels/gdn.py`` over ``kernels/gpu/gdn_mgpu.py``) on
-this CPU: the Mosaic GPU walks in the GPU interpreter against the float32 recurrence (outputs,
-final state and every gradient: q, k, v, g, β, the initial state), with a ragged T, value tiles
-padded, a reset gate, packed documents through ``ops.gated_deltanet(impl="pallas")``, the entry's
-refusals, and the lowering for CUDA."""
+this CPU: the Mosaic GPU walks in the GPU interpreter and the Triton kernels in interpret mode
+against the float32 recurrence (outputs, final state and every gradient: q, k, v, g, β, the
+initial state), with a ragged T, value tiles padded, a reset gate, packed documents through
+``ops.gated_deltanet(impl="pallas")``, the entry's refusals, the lowering for CUDA, and the
+chunk-level pieces in float64 (the UT transform's backward, the walk's products) against
+autodiff."""
 
 import jax
 import jax.numpy as jnp
@@ -88,8 +90,9 @@ def test_entry_refuses_what_the_kernel_does_not_take(rng):
 
 
 def test_lowers_for_cuda():
-    """Forward and backward (the three Mosaic GPU walks, the Triton UT transform, run once, and
-    its backward) go through the real lowering for head dims 64 and 128, one or two value tiles."""
+    """Forward and backward (the two Mosaic GPU walks; in Triton the UT transform, run once, its
+    backward and the walk's products) go through the real lowering for head dims 64 and 128, one
+    or two value tiles."""
     for d, dv in ((64, 64), (128, 128)):
         x = jax.ShapeDtypeStruct((2, 256, 3, d), jnp.bfloat16)
         v = jax.ShapeDtypeStruct((2, 256, 3, dv), jnp.bfloat16)
@@ -101,10 +104,10 @@ def test_lowers_for_cuda():
             return jnp.sum(o) + jnp.sum(hT)
 
         text = lower_for("cuda", jax.grad(loss, argnums=range(6)), x, x, v, s, s, h0)
-        for mode in ("out", "rev", "dq"):
+        for mode in ("out", "rev"):
             assert f"gdn_walk_{mode}" in text, mode
-        # the UT transform once (the backward keeps its W) and its backward
-        assert text.count("__gpu$xla.gpu.triton") == 2, "the UT transform and its backward"
+        # the UT transform once (the backward keeps its W), its backward, the walk's products
+        assert text.count("__gpu$xla.gpu.triton") == 3, "UT forward and backward, products"
 
 
 @pytest.mark.parametrize("cb", [4, 8])
@@ -141,3 +144,58 @@ def test_ut_backward_is_the_vjp_of_ut_forward(rng, cb):
         dV = gdn_chunk.ut_backward_values(X, beta, dU, False)
         for a, b, what in zip((dK, dV, dbeta), vjp((dW, dU)), ("dK", "dV", "dbeta")):
             assert_close(a, b, 1e-12, what)
+
+
+def test_walk_grads_are_the_vjp_of_a_chunk(rng):
+    """One chunk of the walk with values ``V'`` (``O = diag(ρ) Q S + ((Q Kᵀ) ∘ Γ) V'``, ``S' =
+    ρ_c S + (γ̄∘K)ᵀ V'``) in float64: ``walk_products`` over two value tiles and two key blocks,
+    then ``walk_grads``, give autodiff's ``dQ``, ``dK`` and the gate's per-token sums; ``dW =
+    −dV' Sᵀ``."""
+    from hla_jax.kernels import gdn_chunk, la_chunk
+
+    c, d, dv = 16, 8, 6
+    with jax.enable_x64(True):
+        Q, K = (jnp.asarray(rng.normal(size=(c, d))) for _ in range(2))
+        Vn, dO, dVn = (jnp.asarray(rng.normal(size=(c, dv))) for _ in range(3))
+        S, dS = (jnp.asarray(rng.normal(size=(d, dv))) for _ in range(2))
+        bb = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.3, c)))
+        (O, S1), vjp = jax.vjp(lambda Q, K: la_chunk.chunk_forward(Q, K, Vn, bb, S), Q, K)
+        dQ_want, dK_want = vjp((dO, dS))
+        dQ_inter = jnp.exp(bb)[:, None] * (dO @ S.T)
+        dK_inter = jnp.exp(bb[-1] - bb)[:, None] * (Vn @ dS.T)
+        for keys in (slice(0, 3), slice(3, d)):
+            acc = [0.0] * 4
+            for cols in (slice(0, 2), slice(2, dv)):
+                share = gdn_chunk.walk_products(dO[:, cols], Vn[:, cols], -dVn[:, cols],
+                                                S.T[cols, keys], dS.T[cols, keys])
+                acc = [a + x for a, x in zip(acc, share)]
+            D, dOS, VdS, dW = acc
+            dQ, dK, qdq_inter, qdq, kdk_inter = gdn_chunk.walk_grads(Q[:, keys], K[:, keys], bb,
+                                                                     D, dOS, VdS)
+            for a, b, what in ((dQ, dQ_want[:, keys], "dQ"), (dK, dK_want[:, keys], "dK"),
+                               (dW, -dVn @ S.T[:, keys], "dW"),
+                               (qdq_inter, jnp.sum(Q[:, keys] * dQ_inter[:, keys], 1), "q·dQ_inter"),
+                               (qdq, jnp.sum(Q[:, keys] * dQ_want[:, keys], 1), "q·dQ"),
+                               (kdk_inter, jnp.sum(K[:, keys] * dK_inter[:, keys], 1), "k·dK_inter")):
+                assert_close(a, b, 1e-12, what)
+
+
+def test_products_by_key_blocks_equal_the_whole(rng):
+    """``gdn_grads.backward`` with ``kb=64`` (the default: two key blocks of d=128, their sums in
+    two shares) gives what one block of all the keys (``kb=None``) gives."""
+    from hla_jax.kernels.gpu import gdn_grads
+
+    B, Tp, H, d, dv = 1, 128, 1, 128, 64
+    bf = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)  # noqa: E731
+    q, k = bf(B, Tp, H, d), bf(B, Tp, H, d)
+    vn, do, ndvn = bf(B, Tp, H, dv), bf(B, Tp, H, dv), bf(B, Tp, H, dv)
+    s, ds = bf(B, H, Tp // 64, dv, d), bf(B, H, Tp // 64, dv, d)
+    b = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.1, (B, H, 2, 64)), jnp.float32), -1)
+    b = b.reshape(B, H, Tp)   # the chunk-local cumulative log-decay
+    whole = gdn_grads.backward(q, k, vn, do, ndvn, s, ds, b, kb=None, interpret=True)
+    blocks = gdn_grads.backward(q, k, vn, do, ndvn, s, ds, b, kb=64, interpret=True)
+    names = ("dQ", "dK", "dW", "q·dQ_inter", "q·dQ", "k·dK_inter")
+    for i, (a, b_, what) in enumerate(zip(whole, blocks, names)):
+        if i >= 3:   # the gate's sums, one share per key block
+            a, b_ = a.sum(0), b_.sum(0)
+        assert_close(b_.astype(jnp.float32), a.astype(jnp.float32), 1e-5, what)

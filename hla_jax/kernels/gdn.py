@@ -8,10 +8,12 @@
 over ``kernels/gdn_chunk.py``): the UT transform
 ``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)`` (the inverse on blocks of 32 tokens),
 ``W = T (ρ∘K)``, ``U = T V``; then one walk over the chunks (``kernels/gpu/gdn_mgpu.py``, Mosaic
-GPU) reads ``V' = U − W S``, the outputs and the state.  The backward, from ``W``, ``V'`` and the
-inverse ``X`` kept by the forward (one ``[B,T,H,d]`` and one ``[B,T,H,dv]`` 16-bit array, one
-``[B,H,T,64]`` float32), is a reverse walk (``dV'``, ``dK``, the state cotangent), a forward walk
-(``dQ``, ``dW``) and the UT transform's backward (chunk-parallel again).
+GPU) reads ``V' = U − W S``, the outputs and the state, and keeps the state entering each chunk.
+The backward, from ``W``, ``V'``, those states and the inverse ``X`` kept by the forward (one
+``[B,T,H,d]`` and one ``[B,T,H,dv]`` 16-bit array, the states ``[B,H,T/64,dv,d]`` 16-bit, ``X``
+``[B,H,T,64]`` float32), is one reverse walk (``dV'`` and the cotangent of the state leaving
+each chunk), then chunk-parallel again: the walk's products (``dQ``, ``dK``'s walk part,
+``dW``; ``kernels/gpu/gdn_grads.py``, Triton) and the UT transform's backward.
 
 The gate needs no walk of its own: in ``S̃_t = e^{−G_t} S_t`` (``G`` the cumulative log-decay) the
 recurrence reads ``S̃_t = (I − β k kᵀ) S̃_{t−1} + β k (e^{−G_t} v_t)ᵀ`` and ``o_t = S̃_tᵀ (e^{G_t} q_t)``,
@@ -35,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.kernels import wrap
-from hla_jax.kernels.gpu import gdn_mgpu, gdn_ut, la_mgpu
+from hla_jax.kernels.gpu import gdn_grads, gdn_mgpu, gdn_ut, la_mgpu
 from hla_jax.kernels.gpu.la_mgpu import F32, LOG2E, C
 from hla_jax.ops.common import check_gate, check_per_token, check_qkv
 
@@ -62,39 +64,41 @@ def _heads_first(x):
 
 
 def _forward(q, k, v, beta, g, h0, interpret):
-    """``(O, H_T, V', W, X)``: the walk's outputs, and ``V'``, ``W`` and the UT transform's
-    inverse ``X`` for the backward."""
+    """``(O, H_T, V', S, W, X)``: the walk's outputs, and ``V'``, the states entering the chunks
+    (transposed), ``W`` and the UT transform's inverse ``X`` for the backward."""
     b = _local(g)
     w, u, x = gdn_ut.forward(k, v, b, _heads_first(beta), interpret=bool(interpret))
-    o, vn, sT = gdn_mgpu.walk(b * LOG2E, _t(h0), (q, k, w, u), mode="out", interpret=interpret)
-    return o, _t(sT), vn, w, x
+    o, vn, s, sT = gdn_mgpu.walk(b * LOG2E, _t(h0), (q, k, w, u), mode="out", interpret=interpret)
+    return o, _t(sT), vn, s, w, x
 
 
 def _core_fwd(q, k, v, beta, g, h0, interpret):
-    o, hT, vn, w, x = _forward(q, k, v, beta, g, h0, interpret)
-    return (o, hT), (q, k, v, beta, g, h0, vn, w, x, hT)
+    o, hT, vn, s, w, x = _forward(q, k, v, beta, g, h0, interpret)
+    return (o, hT), (q, k, v, beta, g, vn, s, w, x, hT)
 
 
 def _core_bwd(interpret, res, cts):
-    q, k, v, beta, g, h0, vn, w, x, hT = res
+    q, k, v, beta, g, vn, s, w, x, hT = res
     do, dhT = cts
-    dt, tri = q.dtype, bool(interpret)
+    tri = bool(interpret)
     b, beta_h = _local(g), _heads_first(beta)
-    b2, do = b * LOG2E, do.astype(dt)
-    du, dk, vkds, ndu, dh0 = gdn_mgpu.walk(b2, _t(dhT), (q, k, w, do, vn), mode="rev",
-                                           interpret=interpret)
-    dq, dw, qdq, qdq_all, _ = gdn_mgpu.walk(b2, _t(h0), (k, vn, do, ndu, q), mode="dq",
-                                            interpret=interpret)
-    dk, dv, dbeta, wdw, vdv = gdn_ut.backward(k, v, w, b, beta_h, x, dw, du, dk, interpret=tri)
-    return (dq.sum(0).astype(q.dtype), dk, dv, jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
-            _gate_grad(qdq_all.sum(0) - vdv, qdq.sum(0) - vkds.sum(0) + wdw, hT, dhT), _t(dh0))
+    do = do.astype(q.dtype)
+    du, ndu, ds, dh0 = gdn_mgpu.walk(b * LOG2E, _t(dhT), (q, k, w, do), mode="rev",
+                                     interpret=interpret)
+    dq, dk, dw, qdq_inter, qdq, kdk_inter = gdn_grads.backward(q, k, vn, do, ndu, s, ds, b,
+                                                               interpret=tri)
+    dk, dv, dbeta, wdw, vdv = gdn_ut.backward(k, v, w, b, beta_h, x, dw[None], du, dk[None],
+                                              interpret=tri)
+    dG, local = qdq.sum(0) - vdv, qdq_inter.sum(0) - kdk_inter.sum(0) + wdw
+    return (dq, dk, dv, jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
+            _gate_grad(dG, local, hT, dhT), _t(dh0))
 
 
 def _gate_grad(dG, local, hT, dhT):
     """``∂L/∂g_t = Σ_{t'≥t} ∂L/∂G_{t'}`` (module docstring) from ``dG = q·∂L/∂q − v·∂L/∂v``
     ``[B,H,Tp]`` per token, summed inside the chunk and taken exactly across it:
     ``X_n = ⟨S_{n+1}, ∂L/∂S_{n+1}⟩`` (the state leaving chunk ``n``) obeys
-    ``X_{n−1} = X_n + Σ_{t∈n} (q·dq_inter + w·dw − V'·(γ̄ k dS))_t`` from
+    ``X_{n−1} = X_n + Σ_{t∈n} (q·dq_inter + w·dw − k·dk_inter)_t`` from
     ``X_{N−1} = ⟨H_T, ∂L/∂H_T⟩``; ``local [B,H,Tp]`` holds those per-token terms (the walks' and
     the UT backward's sums)."""
     B, H, Tp = dG.shape

@@ -1,4 +1,5 @@
-"""One chunk of Gated DeltaNet's UT transform, forward and backward, as small 2-D matmuls.
+"""One chunk of Gated DeltaNet's UT transform, forward and backward, and the chunk-parallel part
+of the walk's backward, as small 2-D matmuls.
 
 For ``c`` tokens with the local cumulative log-decay ``b`` (``ρ = exp(b)``, ``Γ[τ,σ] = ρ_τ/ρ_σ``)::
 
@@ -19,6 +20,12 @@ for ``b`` held fixed (the Gated DeltaNet kernel takes the gate's gradient from a
     dT = dW (ρ∘K)ᵀ + dU Vᵀ,   dV = Tᵀ dU,   dβ_σ ⊇ Σ_τ X∘dT,   dX = dT diag(β)
     dA = strict_tril(−Xᵀ dX Xᵀ),   E = dA ∘ Γ,   dβ_τ ⊇ Σ_σ E∘(K Kᵀ)
     dK = ρ∘(Tᵀ dW) + (β∘E) K + (β∘E)ᵀ K
+
+The walk's backward (``kernels/gpu/gdn_mgpu.py``) leaves per chunk the products of an LA chunk
+with values ``V'`` (``O = diag(ρ) Q S + ((Q Kᵀ) ∘ Γ) V'``, ``S ← ρ_c S + (γ̄∘K)ᵀ V'``), given the
+state ``S`` entering the chunk and the cotangent ``dS`` of the one leaving it::
+
+    D = dO V'ᵀ,   dQ = diag(ρ) dO Sᵀ + (D ∘ Γ) K,   dK = diag(γ̄) V' dSᵀ + (D ∘ Γ)ᵀ Q,   dW = −dV' Sᵀ
 
 Every product with ``X`` or ``T`` runs on float32 operands (TF32 for bf16 inputs: a bf16 ``T``
 costs the gate's gradient, which sums such errors over a chunk, about 10%); ``K Kᵀ`` and ``dT``
@@ -80,3 +87,22 @@ def ut_backward(K, bb, beta, X, dW, dUV):
 def ut_backward_values(X, beta, dU, fast: bool):
     """``dV = Tᵀ dU`` (``T = X diag(β)``) of one value tile ``dU [c,bv]``, float32."""
     return tri_dot(X * beta[None, :], dU, fast, ta=True)
+
+
+def walk_products(dO, Vn, nDVn, sT, dsT):
+    """One value tile's share ``(D, dO Sᵀ, V' dSᵀ, dW)`` of the walk's products (module
+    docstring) from ``dO, V', −dV' [c,bv]`` and the transposed states ``Sᵀ, dSᵀ [bv,kb]`` (a
+    block of ``kb`` keys); float32, operands in the inputs' dtype."""
+    return dot(dO, Vn, tb=True), dot(dO, sT), dot(Vn, dsT), dot(nDVn, sT)
+
+
+def walk_grads(Q, K, bb, D, dOS, VdS):
+    """``(dQ, dK, q·dQ_inter, q·dQ, k·dK_inter)`` of one chunk and block of keys (``Q, K
+    [c,kb]``) from the value-summed ``walk_products``; the per-token sums ``[c]`` are the gate's
+    terms (``kernels/gdn.py``), ``_inter`` the parts through the states."""
+    rho, _, gam, Gam, _ = decays(bb)
+    P = (D * Gam).astype(K.dtype)
+    dq_inter, dk_inter = rho[:, None] * dOS, gam[:, None] * VdS
+    dQ, dK = dq_inter + dot(P, K), dk_inter + dot(P, Q, ta=True)
+    Qf, Kf = Q.astype(dQ.dtype), K.astype(dQ.dtype)
+    return dQ, dK, jnp.sum(Qf * dq_inter, 1), jnp.sum(Qf * dQ, 1), jnp.sum(Kf * dk_inter, 1)

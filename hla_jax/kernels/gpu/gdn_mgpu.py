@@ -8,25 +8,21 @@ incoming state ``S: d×dv``:
     V' = U − W S                O = diag(ρ) Q S + ((Q Kᵀ) ∘ Γ) V'          S ← ρ_c S + (γ̄∘K)ᵀ V'
 
 So a chunk is an LA chunk (``la_mgpu``) whose values ``V'`` are read from the state first: one
-more matmul.  The backward, with ``V'`` kept from the forward:
+more matmul.  The walks do only what needs the state in order; each also writes the state it
+meets at every chunk in 16 bits (the forward ``Sᵀ`` coming in, the reverse ``dSᵀ``, the
+cotangent of the state going out), so the rest of the backward is chunk-parallel
+(``gdn_grads.py``: ``dQ``, ``dK``'s walk part, ``dW = −dV' Sᵀ``):
 
-    reverse walk (dS: the outgoing state's cotangent)
-        dV' = ((K Qᵀ) ∘ Γᵀ) dO + diag(γ̄) K dS
-        dK  = ((V' dOᵀ) ∘ Γᵀ) Q + diag(γ̄) V' dSᵀ
-        dS ← ρ_c dS + (ρ∘Q)ᵀ dO − Wᵀ dV'
-    forward walk (S recomputed as an LA state with values V')
-        dQ = diag(ρ) dO Sᵀ + ((dO V'ᵀ) ∘ Γ) K          dW = −dV' Sᵀ
+    reverse walk    dV' = ((K Qᵀ) ∘ Γᵀ) dO + diag(γ̄) K dS,    dS ← ρ_c dS + (ρ∘Q)ᵀ dO − Wᵀ dV'
 
-and ``dU = dV'`` (the reverse walk also writes ``−dV'`` in 16 bits: the forward walk's
-operand).  Each walk is one CTA per (batch, head, 64 value columns) with the transposed state
-``Sᵀ: [64, d]`` float32 in registers and the next chunk's tiles double-buffered by TMA, as in
-``la_mgpu``; ``dQ``, ``dK`` and ``dW`` contract over the values, so each value tile writes its
-share.  No sequence is cut into pieces (the transition is a matrix: ``la_mgpu.pieces`` needs a
-scalar one).
+and ``dU = dV'`` (float32; also ``−dV'`` in 16 bits, the products' operand).  Each walk is one
+CTA per (batch, head, 64 value columns) with the transposed state ``Sᵀ: [64, d]`` float32 in
+registers and the next chunk's tiles double-buffered by TMA, as in ``la_mgpu``.  No sequence is
+cut into pieces (the transition is a matrix: ``la_mgpu.pieces`` needs a scalar one).
 
-Inputs: ``q, k, w: [B,Tp,H,d]`` 16-bit with ``d ∈ {64, 128}``, ``u, V', dO: [B,Tp,H,dv]`` with
+Inputs: ``q, k, w: [B,Tp,H,d]`` 16-bit with ``d ∈ {64, 128}``, ``u, dO: [B,Tp,H,dv]`` with
 ``dv`` a multiple of 64, ``Tp`` a multiple of 64, ``b2 [B,H,Tp]`` the local log2-decay (finite),
-states ``[B,H,dv,d]`` float32 (transposed).
+states ``[B,H,dv,d]`` float32 (transposed), the per-chunk ones ``[B,H,N,dv,d]`` 16-bit.
 """
 
 from __future__ import annotations
@@ -54,9 +50,8 @@ from hla_jax.kernels.gpu.la_mgpu import (
     smem_tile,
 )
 
-# per mode: the tiles loaded per chunk ("d": [C,d] key-width, "v": [C,BV] value-width), the
-# output tiles and whether the walk runs in reverse
-TILES = {"out": "qkwu", "rev": "qkwov", "dq": "kvouq"}
+# per mode: the tiles loaded per chunk (q, k, w [C,d] key-width, the rest [C,BV] value-width)
+TILES = {"out": "qkwu", "rev": "qkwo"}
 WIDE = set("qkw")
 
 
@@ -64,36 +59,29 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
     """One walk of ``mode`` (module docstring) over the chunks.
 
     ``tiles``: the inputs of ``TILES[mode]`` in order (``q, k, w`` key-width; ``u`` = U,
-    ``v`` = V', ``o`` = dO value-width); ``s0 [B,H,dv,d]`` the transposed state it starts from
-    (``rev``: the final state's cotangent).  Returns, with the state after the walk last:
-    ``out``: ``O [B,Tp,H,dv]`` float32, ``V' [B,Tp,H,dv]`` 16-bit;
-    ``rev``: ``dU = dV' [B,Tp,H,dv]``, ``dK [nv,B,Tp,H,d]``, ``Σ V'∘(diag(γ̄) K dS) [nv,B,H,Tp]``,
-    ``−dV' [B,Tp,H,dv]`` 16-bit;
-    ``dq`` (``u`` = ``−dV'``): ``dQ [nv,B,Tp,H,d]``, ``dW [nv,B,Tp,H,d]``, ``Σ_d q∘dQ_inter`` and ``Σ_d q∘dQ``
-    ``[nv,B,H,Tp]`` (float32; ``nv`` value tiles; the sums per token are the gate's terms,
-    ``kernels/gdn.py``).
+    ``o`` = dO value-width); ``s0 [B,H,dv,d]`` the transposed state it starts from (``rev``: the
+    final state's cotangent).  Returns, with the state after the walk last:
+    ``out``: ``O [B,Tp,H,dv]`` float32, ``V' [B,Tp,H,dv]`` 16-bit, ``Sᵀ`` entering each chunk;
+    ``rev``: ``dU = dV' [B,Tp,H,dv]`` float32, ``−dV'`` 16-bit, ``dSᵀ`` leaving each chunk
+    (the per-chunk states ``[B,H,N,dv,d]`` 16-bit).
     """
     by = dict(zip(TILES[mode], tiles))
     B, Tp, H, d = by["k"].shape
-    dv, dt, N = next(by[n] for n in "uvo" if n in by).shape[-1], by["k"].dtype, Tp // C
+    dv, dt, N = next(by[n] for n in "uo" if n in by).shape[-1], by["k"].dtype, Tp // C
     nv, reverse = dv // BV, mode == "rev"
     _mm = functools.partial(matmul, interpret=bool(interpret))
     names = TILES[mode]
-    outs = {"out": [(C, BV)], "rev": [(C, BV), (C, d), (C,)], "dq": [(C, d), (C, d), (C,), (C,)]}[mode]
-    sums = ((nv, B, H, Tp), F32)
-    out_type = {"out": [((B, Tp, H, dv), F32), ((B, Tp, H, dv), dt)],
-                "rev": [((B, Tp, H, dv), F32), ((nv, B, Tp, H, d), F32), sums, ((B, Tp, H, dv), dt)],
-                "dq": [((nv, B, Tp, H, d), F32), ((nv, B, Tp, H, d), F32), sums, sums]}[mode]
+    out_type = [((B, Tp, H, dv), F32), ((B, Tp, H, dv), dt), ((B, H, N, dv, d), dt)]
     vec = plgpu.SMEM((2, C), F32)
     scratch = dict(
         x_s=[smem_tile((2, C, d if n in WIDE else BV), dt) for n in names], b_c=vec, b_r=vec,
         s_pub=smem_tile((BV, d), dt), v16=smem_tile((C, BV), dt),
-        io=plgpu.RefUnion([plgpu.SMEM((BV, d), F32)], [plgpu.SMEM(o, F32) for o in outs]),
+        io=plgpu.RefUnion([plgpu.SMEM((BV, d), F32)], [plgpu.SMEM((C, BV), F32)]),
         in_bar=plgpu.Barrier(num_arrivals=2 + len(names), num_barriers=2), s_bar=plgpu.Barrier())
 
     def body(b_ref, s0_ref, *refs, x_s, b_c, b_r, s_pub, v16, io, in_bar, s_bar):
-        (s_io,), stage = io
-        x_refs, (*o_refs, final_ref) = refs[:len(names)], refs[len(names):]
+        (s_io,), (stage,) = io
+        x_refs, (o_ref, v16_ref, s_ref, final_ref) = refs[:len(names)], refs[len(names):]
         bi, hi, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         cols = pl.ds(iv * BV, BV)
         x = dict(zip(names, x_s))
@@ -129,9 +117,9 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
             b_row = plgpu.load(b_r.at[slot], layout=ROWS)
             b_col = plgpu.load(b_c.at[slot], layout=COLS)
             rho_r, gbar_r = jnp.exp2(b_row), jnp.exp2(b_last - b_row)   # ρ, γ̄ per row
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last chunk's stores
             s_pub[...] = s_t.astype(dt)
             plgpu.commit_smem()
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last chunk's stores
             if mode == "out":
                 vn = (plgpu.load(t["u"], layout=WGMMA).astype(F32)
                       - _mm(t["w"], s_pub.T, (C, BV)))                      # V' = U − W S
@@ -139,39 +127,18 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
                 p = _mm(t["q"], t["k"].T, (C, C)) * causal_decay(b_row, b_col, (C, C))
                 o = _mm(t["q"], s_pub.T, (C, BV)) * bcast_rows(rho_r, (C, BV))
                 plgpu.commit_smem()
-                tiles = [_mm(p.astype(dt), v16, (C, BV), init=o)]
-                dsts = [o_refs[0].at[bi, rows, hi, cols]]
-                new_v = v16
-            elif mode == "rev":   # s_t is dSᵀ of the chunk's outgoing state
+                out = _mm(p.astype(dt), v16, (C, BV), init=o)
+            else:                 # s_t is dSᵀ of the chunk's outgoing state
                 pt = _mm(t["k"], t["q"].T, (C, C)) * causal_decay(b_row, b_col, (C, C), True)
                 kds = _mm(t["k"], s_pub.T, (C, BV)) * bcast_rows(gbar_r, (C, BV))
-                dvn = _mm(pt.astype(dt), t["o"], (C, BV), init=kds)         # dV'
-                v16[...] = (-dvn).astype(dt)
-                vd = _mm(t["v"], t["o"].T, (C, C)) * causal_decay(b_row, b_col, (C, C), True)
-                dk = _mm(t["v"], s_pub, (C, d)) * bcast_rows(gbar_r, (C, d))
-                vkds = (plgpu.load(t["v"], layout=WGMMA).astype(F32) * kds).sum(1)
-                tiles = [dvn, _mm(vd.astype(dt), t["q"], (C, d), init=dk), vkds]
-                dsts = [o_refs[0].at[bi, rows, hi, cols], o_refs[1].at[iv, bi, rows, hi],
-                        o_refs[2].at[iv, bi, hi, rows]]
-                plgpu.commit_smem()
-            else:                 # dq: s_t is Sᵀ, the values are V'
-                ds = _mm(t["o"], t["v"].T, (C, C)) * causal_decay(b_row, b_col, (C, C))
-                dq = _mm(t["o"], s_pub, (C, d)) * bcast_rows(rho_r, (C, d))
-                q_dot = lambda x: (plgpu.load(t["q"], layout=WGMMA).astype(F32) * x).sum(1)  # noqa: E731
-                qdq = q_dot(dq)
-                dq = _mm(ds.astype(dt), t["k"], (C, d), init=dq)
-                tiles = [dq, _mm(t["u"], s_pub, (C, d)), qdq, q_dot(dq)]    # dW = −dV' Sᵀ
-                dsts = [o_refs[0].at[iv, bi, rows, hi], o_refs[1].at[iv, bi, rows, hi],
-                        o_refs[2].at[iv, bi, hi, rows], o_refs[3].at[iv, bi, hi, rows]]
-                new_v = t["v"]
-            for buf, val in zip(stage, tiles):
-                buf[...] = val
+                out = _mm(pt.astype(dt), t["o"], (C, BV), init=kds)         # dV'
+                v16[...] = (-out).astype(dt)
+            stage[...] = out
             plgpu.commit_smem()
-            for buf, dst in zip(stage, dsts):
+            for buf, dst in ((stage, o_ref.at[bi, rows, hi, cols]),      # O or dU = dV'
+                             (v16, v16_ref.at[bi, rows, hi, cols]),      # V' or −dV', 16 bits
+                             (s_pub, s_ref.at[bi, hi, n, cols])):        # Sᵀ or dSᵀ, 16 bits
                 plgpu.copy_smem_to_gmem(buf, dst, commit_group=False)
-            if mode != "dq":     # V' (out) or −dV' (rev) in 16 bits
-                plgpu.copy_smem_to_gmem(v16, o_refs[-1].at[bi, rows, hi, cols],
-                                        commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             decayed = s_t * jnp.exp2(b_last)
             if mode == "rev":     # dSᵀ ← ρ_c dSᵀ + (ρ∘dO)ᵀ Q − dV'ᵀ W
@@ -181,7 +148,7 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
                 neg = plgpu.load(v16.T, layout=WGMMA)
                 return _mm(neg, t["w"], (BV, d), init=s_t)
             # Sᵀ ← ρ_c Sᵀ + (γ̄∘V')ᵀ K
-            vw = plgpu.load(new_v.T, layout=WGMMA).astype(F32) * bcast_cols(
+            vw = plgpu.load(v16.T, layout=WGMMA).astype(F32) * bcast_cols(
                 jnp.exp2(b_last - b_col), (BV, C))
             return _mm(vw.astype(dt), t["k"], (BV, d), init=decayed)
 
