@@ -54,9 +54,9 @@ def main(argv=None):
     du, ndu, ds, _ = walk["rev"](b2, q, k, w16, w)   # w: a bf16 stand-in for dO
     grads_args = (q, k, vn, w, ndu, s, ds, b)
     args = (q, k, v, beta_t.astype(jnp.float32), g, h0)
-    fwd = jax.jit(lambda *x: gdn._core_fwd(*x, False))
+    fwd = jax.jit(lambda *x: gdn._core_fwd(*x, False, "gpu"))
     (o, hT), res = fwd(*args)
-    bwd = jax.jit(lambda res, cts: gdn._core_bwd(False, res, cts))
+    bwd = jax.jit(lambda res, cts: gdn._core_bwd(False, "gpu", res, cts))
     share = w16[None].astype(jnp.float32)   # one share of dW and of the walks' dK
     ut_bwd_args = (k, v, w16, b, beta, x, share, du, share)
     row = dict(device=jax.devices()[0].device_kind, B=B, T=T,

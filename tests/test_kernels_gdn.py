@@ -29,9 +29,9 @@ def operands(rng, B, T, H, d, dv):
     return (*bf, g, beta, h0)
 
 
-def kernel(q, k, v, g, beta, h0):
+def kernel(q, k, v, g, beta, h0, platform="gpu"):
     return gated_deltanet_pallas(q, k, v, g, beta, initial_state=h0, return_final_state=True,
-                                 interpret=True)
+                                 platform=platform, interpret=True)
 
 
 def oracle(q, k, v, g, beta, h0):
@@ -46,24 +46,44 @@ def oracle(q, k, v, g, beta, h0):
     (1, 128, 1, 64, 64, "aligned"),  # keys near one direction, β ≈ 1, slow decay: the UT
 ])                                   # inverse's ill-conditioned case (NaN in LM training once)
 def test_matches_recurrence(rng, B, T, H, d, dv, case):
+    check_against_recurrence(rng, B, T, H, d, dv, case, "gpu")
+
+
+@pytest.mark.parametrize("B,T,H,d,dv,case", [
+    (1, 100, 1, 64, 160, "plain"),
+    (2, 128, 1, 32, 64, "reset"),
+    (1, 100, 2, 32, 48, "float32"),   # which only the TPU backend takes
+])
+def test_tpu_backend_matches_recurrence(rng, B, T, H, d, dv, case):
+    """The TPU backend (``kernels/tpu/gdn.py``) in Mosaic's interpreter."""
+    check_against_recurrence(rng, B, T, H, d, dv, case, "tpu")
+
+
+def check_against_recurrence(rng, B, T, H, d, dv, case, platform):
+    """Outputs, final state and all six gradients of ``platform``'s kernels (interpret mode)
+    against the float32 recurrence."""
     args = list(operands(rng, B, T, H, d, dv))
+    tol = TOL
+    if case == "float32":
+        args[:3], tol = [x.astype(jnp.float32) for x in args[:3]], 2e-3   # SPEC §6
     if case == "reset":
         args[3] = args[3].at[0, 40, 0].set(-jnp.inf).at[1, 64, 0].set(-jnp.inf)
     if case == "aligned":
         args[1] = jnp.asarray(keys_around_one_direction(rng, (B, T, H, d), 0.1), jnp.bfloat16)
         args[3], args[4] = args[3] * 0.01, jnp.full_like(args[4], 0.95)
-    for a, b, what in zip(kernel(*args), oracle(*args), ("o", "H_T")):
-        assert_close(a, b, TOL, what)
+    run = lambda *a: kernel(*a, platform=platform)  # noqa: E731
+    for a, b, what in zip(run(*args), oracle(*args), ("o", "H_T")):
+        assert_close(a, b, tol, what)
     wo = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.float32)
     wh = jnp.asarray(rng.normal(size=(B, H, d, dv)), jnp.float32)
 
     def loss(fn):
         return lambda *a: jnp.sum(fn(*a)[0] * wo) + jnp.sum(fn(*a)[1] * wh)
 
-    got = jax.grad(loss(kernel), argnums=range(6))(*args)
+    got = jax.grad(loss(run), argnums=range(6))(*args)
     want = jax.grad(loss(oracle), argnums=range(6))(*args)
     for a, b, what in zip(got, want, ("dq", "dk", "dv", "dg", "dbeta", "dh0")):
-        assert_close(a, b, TOL, what)
+        assert_close(a, b, tol, what)
 
 
 def test_packed_documents_equal_the_documents_alone(rng):
@@ -86,6 +106,10 @@ def test_entry_refuses_what_the_kernel_does_not_take(rng):
         gated_deltanet_pallas(q, k, v, g, beta, initial_state=h0[..., :8])
     with pytest.raises(ValueError, match="beta"):
         gated_deltanet_pallas(q, k, v, g, beta[..., None])
+    with pytest.raises(ValueError, match="platform"):
+        gated_deltanet_pallas(q, k, v, g, beta, platform="cpu")
+    with pytest.raises(ValueError, match="float32 q, k, v of one dtype"):
+        gated_deltanet_pallas(q, k, v.astype(jnp.float32), g, beta, platform="tpu")
     assert not gdn.supports(q, k, v, 64)   # no Hopper GPU here: impl="auto" stays chunked
 
 
@@ -108,6 +132,22 @@ def test_lowers_for_cuda():
             assert f"gdn_walk_{mode}" in text, mode
         # the UT transform once (the backward keeps its W), its backward, the walk's products
         assert text.count("__gpu$xla.gpu.triton") == 3, "UT forward and backward, products"
+
+
+def test_tpu_backend_lowers_through_mosaic():
+    """The TPU backend's five kernels, forward and backward, go through Mosaic TPU's lowering
+    (bf16, d=dv=128, and float32 at d=64)."""
+    for dt, d in ((jnp.bfloat16, 128), (jnp.float32, 64)):
+        x = jax.ShapeDtypeStruct((1, 128, 2, d), dt)
+        s = jax.ShapeDtypeStruct((1, 128, 2), jnp.float32)
+        h0 = jax.ShapeDtypeStruct((1, 2, d, d), jnp.float32)
+
+        def loss(q, k, v, beta, g, h0):
+            o, hT = gdn.core(q, k, v, beta, g, h0, False, "tpu")
+            return jnp.sum(o) + jnp.sum(hT)
+
+        text = lower_for("tpu", jax.grad(loss, argnums=range(6)), x, x, x, s, s, h0)
+        assert text.count("tpu_custom_call") == 5, "UT, two walks, products, UT backward"
 
 
 @pytest.mark.parametrize("cb", [4, 8])

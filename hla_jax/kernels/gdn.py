@@ -1,4 +1,4 @@
-"""``gated_deltanet_pallas``: first-order Gated DeltaNet through the Mosaic GPU chunk walks.
+"""``gated_deltanet_pallas``: first-order Gated DeltaNet through Pallas chunk kernels.
 
     o_t = q_tᵀ S_t,   S_t = a_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,   S_{−1} = H0
 
@@ -13,7 +13,9 @@ The backward, from ``W``, ``V'``, those states and the inverse ``X`` kept by the
 ``[B,T,H,d]`` and one ``[B,T,H,dv]`` 16-bit array, the states ``[B,H,T/64,dv,d]`` 16-bit, ``X``
 ``[B,H,T,64]`` float32), is one reverse walk (``dV'`` and the cotangent of the state leaving
 each chunk), then chunk-parallel again: the walk's products (``dQ``, ``dK``'s walk part,
-``dW``; ``kernels/gpu/gdn_grads.py``, Triton) and the UT transform's backward.
+``dW``; ``kernels/gpu/gdn_grads.py``, Triton) and the UT transform's backward.  The TPU backend
+(``kernels/tpu/gdn.py``, Mosaic; the same five steps on the same chunk math, ``gdn_chunk``) keeps
+its states ``[B,H,T/64,d,dv]`` in the inputs' dtype.
 
 The gate needs no walk of its own: in ``S̃_t = e^{−G_t} S_t`` (``G`` the cumulative log-decay) the
 recurrence reads ``S̃_t = (I − β k kᵀ) S̃_{t−1} + β k (e^{−G_t} v_t)ᵀ`` and ``o_t = S̃_tᵀ (e^{G_t} q_t)``,
@@ -22,11 +24,12 @@ so ``∂L/∂G_t = q_t·∂L/∂q_t − v_t·∂L/∂v_t`` (plus ``⟨H_T, ∂L/
 chunk boundary, carried back from the end by per-chunk terms of the walks (``_gate_grad``), so
 16-bit noise does not add up over the sequence.
 
-Takes 16-bit ``q, k, v`` of one dtype with ``d ∈ {64, 128}`` and chunk 64 (Hopper's ``wgmma``);
-``T`` and ``dv`` are zero-padded to multiples of 64; log-decays are floored at
-``wrap.LOG_DECAY_FLOOR`` (a reset ``g = -inf`` stays finite).  On CPU it runs in the Mosaic GPU
-interpreter.  There is no TPU or float32 kernel: ``ops.gated_deltanet(impl="chunked")`` serves
-those.
+On a GPU it takes 16-bit ``q, k, v`` of one dtype with ``d ∈ {64, 128}`` and chunk 64 (Hopper's
+``wgmma``); on a TPU bf16 or float32 of one dtype, any ``d``, chunk 64 (UNTESTED ON TPU
+HARDWARE: no TPU was available; the tests run it in interpret mode and through Mosaic's
+lowering).  ``T`` and ``dv`` are zero-padded to multiples of 64; log-decays are floored at
+``wrap.LOG_DECAY_FLOOR`` (a reset ``g = -inf`` stays finite).  On CPU either runs in its
+interpreter.  ``ops.gated_deltanet(impl="chunked")`` serves everything else.
 """
 
 from __future__ import annotations
@@ -37,13 +40,12 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.kernels import wrap
-from hla_jax.kernels.gpu import gdn_grads, gdn_mgpu, gdn_ut, la_mgpu
-from hla_jax.kernels.gpu.la_mgpu import F32, LOG2E, C
+from hla_jax.kernels.gpu import la_mgpu
+from hla_jax.kernels.gpu.la_mgpu import F32, C
 from hla_jax.ops.common import check_gate, check_per_token, check_qkv
 
-
-def _t(x):
-    return jnp.swapaxes(x, -1, -2)
+PLATFORMS = ("gpu", "tpu")
+TPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def _local(g):
@@ -51,11 +53,12 @@ def _local(g):
     return wrap.chunk_log_decay(g, C)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def core(q, k, v, beta, g, h0, interpret=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def core(q, k, v, beta, g, h0, interpret=False, platform="gpu"):
     """``(O [B,Tp,H,dv], H_T [B,H,d,dv])`` float32 on padded inputs: ``g [B,Tp,H]`` floored
-    log-decays, ``beta [B,Tp,H]``, ``h0 [B,H,d,dv]`` float32."""
-    return _forward(q, k, v, beta, g, h0, interpret)[:2]
+    log-decays, ``beta [B,Tp,H]``, ``h0 [B,H,d,dv]`` float32; the steps of ``platform``'s
+    backend (``kernels/{gpu,tpu}/gdn.py``)."""
+    return _forward(q, k, v, beta, g, h0, interpret, platform)[:2]
 
 
 def _heads_first(x):
@@ -63,35 +66,32 @@ def _heads_first(x):
     return jnp.swapaxes(x, 1, 2).astype(F32)
 
 
-def _forward(q, k, v, beta, g, h0, interpret):
-    """``(O, H_T, V', S, W, X)``: the walk's outputs, and ``V'``, the states entering the chunks
-    (transposed), ``W`` and the UT transform's inverse ``X`` for the backward."""
-    b = _local(g)
-    w, u, x = gdn_ut.forward(k, v, b, _heads_first(beta), interpret=bool(interpret))
-    o, vn, s, sT = gdn_mgpu.walk(b * LOG2E, _t(h0), (q, k, w, u), mode="out", interpret=interpret)
-    return o, _t(sT), vn, s, w, x
+def _forward(q, k, v, beta, g, h0, interpret, platform):
+    """``(O, H_T, V', S, W, X)``: the walk's outputs, and ``V'``, the states entering the chunks,
+    ``W`` and the UT transform's inverse ``X`` for the backward."""
+    steps, b = wrap.backend_module(platform, "gdn"), _local(g)
+    w, u, x = steps.ut_forward(k, v, b, _heads_first(beta), interpret=interpret)
+    o, hT, vn, s = steps.walk_out(q, k, w, u, b, h0, interpret=interpret)
+    return o, hT, vn, s, w, x
 
 
-def _core_fwd(q, k, v, beta, g, h0, interpret):
-    o, hT, vn, s, w, x = _forward(q, k, v, beta, g, h0, interpret)
+def _core_fwd(q, k, v, beta, g, h0, interpret, platform):
+    o, hT, vn, s, w, x = _forward(q, k, v, beta, g, h0, interpret, platform)
     return (o, hT), (q, k, v, beta, g, vn, s, w, x, hT)
 
 
-def _core_bwd(interpret, res, cts):
+def _core_bwd(interpret, platform, res, cts):
     q, k, v, beta, g, vn, s, w, x, hT = res
     do, dhT = cts
-    tri = bool(interpret)
-    b, beta_h = _local(g), _heads_first(beta)
+    steps, b, beta_h = wrap.backend_module(platform, "gdn"), _local(g), _heads_first(beta)
     do = do.astype(q.dtype)
-    du, ndu, ds, dh0 = gdn_mgpu.walk(b * LOG2E, _t(dhT), (q, k, w, do), mode="rev",
-                                     interpret=interpret)
-    dq, dk, dw, qdq_inter, qdq, kdk_inter = gdn_grads.backward(q, k, vn, do, ndu, s, ds, b,
-                                                               interpret=tri)
-    dk, dv, dbeta, wdw, vdv = gdn_ut.backward(k, v, w, b, beta_h, x, dw[None], du, dk[None],
-                                              interpret=tri)
-    dG, local = qdq.sum(0) - vdv, qdq_inter.sum(0) - kdk_inter.sum(0) + wdw
+    du, ndu, ds, dh0 = steps.walk_rev(q, k, w, do, b, dhT, interpret=interpret)
+    dq, dk, dw, qdq_inter, qdq, kdk_inter = steps.grads(q, k, vn, do, ndu, s, ds, b,
+                                                        interpret=interpret)
+    dk, dv, dbeta, wdw, vdv = steps.ut_backward(k, v, w, b, beta_h, x, dw, du, dk,
+                                                interpret=interpret)
     return (dq, dk, dv, jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
-            _gate_grad(dG, local, hT, dhT), _t(dh0))
+            _gate_grad(qdq - vdv, qdq_inter - kdk_inter + wdw, hT, dhT), dh0)
 
 
 def _gate_grad(dG, local, hT, dhT):
@@ -119,18 +119,28 @@ def supports(q, k, v, chunk_size: int) -> bool:
 
 
 def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_state=False,
-                          chunk_size=64, interpret=None):
-    """Gated DeltaNet via the Mosaic GPU walks (module docstring) -> ``o [B,T,H,dv]`` float32,
-    or ``(o, final_state [B,H,d,dv] float32)`` when ``return_final_state``.
+                          chunk_size=64, platform=None, interpret=None):
+    """Gated DeltaNet via the chunk kernels (module docstring) -> ``o [B,T,H,dv]`` float32, or
+    ``(o, final_state [B,H,d,dv] float32)`` when ``return_final_state``.
 
     ``g``: log-decay ``[B,T,H]`` (or ``[H]``); ``beta [B,T,H]``; ``initial_state [B,H,d,dv]`` or
-    None (zeros); ``interpret=None`` runs compiled on a GPU and in the interpreter on CPU.
+    None (zeros); ``platform``: "gpu" | "tpu" | None (the default backend's: "tpu" on a TPU,
+    else "gpu"); ``interpret=None`` runs compiled on a GPU/TPU and in the interpreter on CPU.
     """
     name = "gated_deltanet_pallas"
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name, required=True)
     beta = check_per_token(beta, B, T, H, "beta", name=name)
-    if not la_mgpu.takes(q, k, v, chunk_size):
+    platform = platform or ("tpu" if jax.default_backend() == "tpu" else "gpu")
+    if platform not in PLATFORMS:
+        raise ValueError(f"{name}: platform must be None or one of {PLATFORMS}, got {platform!r}")
+    if platform == "tpu" and not (chunk_size == C and jnp.dtype(q.dtype) in TPU_DTYPES
+                                  and q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"{name}: platform='tpu' takes bf16 or float32 q, k, v of one dtype and "
+            f"chunk_size={C}; got {q.dtype}/{k.dtype}/{v.dtype}, chunk_size={chunk_size!r} "
+            f"(ops.gated_deltanet(impl='chunked') takes any)")
+    if platform == "gpu" and not la_mgpu.takes(q, k, v, chunk_size):
         raise ValueError(
             f"{name}: takes 16-bit q, k, v of one dtype with head dim in {la_mgpu.HEAD_DIMS} and "
             f"chunk_size={C}; got {q.dtype}/{k.dtype}/{v.dtype}, d={d}, chunk_size={chunk_size!r} "
@@ -138,11 +148,11 @@ def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_
     if initial_state is not None and jnp.shape(initial_state) != (B, H, d, dv):
         raise ValueError(f"{name}: initial_state must have shape [B,H,d,dv]={(B, H, d, dv)}, got "
                          f"{jnp.shape(initial_state)}")
-    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
     Tp, dvp = -(-T // C) * C, -(-dv // C) * C
     per_token = lambda x: jnp.pad(x.astype(F32), ((0, 0), (0, Tp - T), (0, 0)))  # noqa: E731
     o, hT = core(wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, dvp), per_token(beta),
                  jnp.maximum(per_token(g), wrap.LOG_DECAY_FLOOR),
-                 wrap.pad_state(initial_state, B, H, d, dvp), interpret)
+                 wrap.pad_state(initial_state, B, H, d, dvp), interpret, platform)
     o = o[:, :T, :, :dv]
     return (o, hT[..., :dv]) if return_final_state else o

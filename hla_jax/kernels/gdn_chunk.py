@@ -21,9 +21,15 @@ for ``b`` held fixed (the Gated DeltaNet kernel takes the gate's gradient from a
     dA = strict_tril(−Xᵀ dX Xᵀ),   E = dA ∘ Γ,   dβ_τ ⊇ Σ_σ E∘(K Kᵀ)
     dK = ρ∘(Tᵀ dW) + (β∘E) K + (β∘E)ᵀ K
 
-The walk's backward (``kernels/gpu/gdn_mgpu.py``) leaves per chunk the products of an LA chunk
-with values ``V'`` (``O = diag(ρ) Q S + ((Q Kᵀ) ∘ Γ) V'``, ``S ← ρ_c S + (γ̄∘K)ᵀ V'``), given the
-state ``S`` entering the chunk and the cotangent ``dS`` of the one leaving it::
+The walks over the chunks (``kernels/gpu/gdn_mgpu.py`` in Mosaic GPU; ``walk_forward`` and
+``walk_backward`` here for the TPU's) read the delta-rule value from the state entering the chunk
+and run an LA chunk with it (``la_chunk``), then carry the state's cotangent back::
+
+    V' = U − W S,   O = diag(ρ) Q S + ((Q Kᵀ) ∘ Γ) V',   S ← ρ_c S + (γ̄∘K)ᵀ V'
+    dV' = ((K Qᵀ) ∘ Γᵀ) dO + diag(γ̄) K dS,   dS ← ρ_c dS + (ρ∘Q)ᵀ dO − Wᵀ dV'
+
+and leave per chunk the products, given the state ``S`` entering the chunk and the cotangent
+``dS`` of the one leaving it::
 
     D = dO V'ᵀ,   dQ = diag(ρ) dO Sᵀ + (D ∘ Γ) K,   dK = diag(γ̄) V' dSᵀ + (D ∘ Γ)ᵀ Q,   dW = −dV' Sᵀ
 
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from hla_jax.kernels.la_chunk import decays, dot
+from hla_jax.kernels.la_chunk import chunk_forward, decays, dot
 from hla_jax.kernels.loglinear_gdn_chunk import strict_lower, tri_dot, unit_lower_inverse
 
 
@@ -87,6 +93,24 @@ def ut_backward(K, bb, beta, X, dW, dUV):
 def ut_backward_values(X, beta, dU, fast: bool):
     """``dV = Tᵀ dU`` (``T = X diag(β)``) of one value tile ``dU [c,bv]``, float32."""
     return tri_dot(X * beta[None, :], dU, fast, ta=True)
+
+
+def walk_forward(Q, K, W, U, bb, S):
+    """``(O, V', S')`` of one chunk (module docstring) from the state ``S [d,dv]`` entering it;
+    ``V'`` in ``Q``'s dtype (the operand of the chunk's products), ``O`` and ``S'`` float32."""
+    Vn = (U - dot(W, S)).astype(Q.dtype)
+    O, S1 = chunk_forward(Q, K, Vn, bb, S)
+    return O, Vn, S1
+
+
+def walk_backward(Q, K, W, bb, dO, dS):
+    """``(dV', −dV', dS')`` of one chunk from the cotangent ``dS [d,dv]`` of the state leaving
+    it: ``dV'`` float32, ``−dV'`` in ``Q``'s dtype, ``dS'`` (the state entering) float32."""
+    dt = Q.dtype
+    rho, rho_c, gam, Gam, _ = decays(bb)
+    dVn = dot((dot(K, Q, tb=True) * Gam.T).astype(dt), dO) + gam[:, None] * dot(K, dS)
+    neg = (-dVn).astype(dt)
+    return dVn, neg, rho_c * dS + dot((rho[:, None] * Q).astype(dt), dO, ta=True) + dot(W, neg, ta=True)
 
 
 def walk_products(dO, Vn, nDVn, sT, dsT):

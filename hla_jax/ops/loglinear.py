@@ -310,7 +310,8 @@ def gated_deltanet(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
     ``segment_ids [B,T]``: packed documents, the state reset (``g = -inf``) at each start.
     ``initial_state [B,H,d,dv]`` / ``return_final_state`` (recurrent, chunked, pallas): as for
     ``loglinear_mamba2``.  ``impl="pallas"``: ``hla_jax.kernels.gated_deltanet_pallas`` (Mosaic
-    GPU: 16-bit inputs, ``d ∈ {64, 128}``, chunk 64); "auto" takes it on a Hopper GPU for bf16
+    GPU: 16-bit inputs, ``d ∈ {64, 128}``, chunk 64; on a TPU its Mosaic TPU backend: bf16 or
+    float32, chunk 64, never run on TPU hardware); "auto" takes it on a Hopper GPU for bf16
     inputs it takes, else "chunked".
     """
     return run("gated_deltanet", q, k, v, g, beta, impl=impl, chunk_size=chunk_size,
