@@ -103,7 +103,7 @@ def walk_forward(Q, K, W, U, bb, S):
     return O, Vn, S1
 
 
-def walk_backward(Q, K, W, bb, dO, dS):
+def walk_backward(Q, K, W, dO, bb, dS):
     """``(dV', −dV', dS')`` of one chunk from the cotangent ``dS [d,dv]`` of the state leaving
     it: ``dV'`` float32, ``−dV'`` in ``Q``'s dtype, ``dS'`` (the state entering) float32."""
     dt = Q.dtype

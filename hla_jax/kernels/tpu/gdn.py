@@ -76,54 +76,44 @@ def ut_forward(k, v, b, beta, *, interpret):
                        _by_chunk(beta[:, :, None], C)))
 
 
-def walk_out(q, k, w, u, b, h0, *, interpret):
-    """``(O [B,Tp,H,dv] float32, H_T, V', S)`` by the forward walk from ``h0``."""
-    B, Tp, H, d = q.shape
-    dv, N = u.shape[-1], Tp // C
-    tile, gate = _specs(C, N)
-    s_shape, s_block = _states(B, H, N, d, dv, q.dtype, lambda n: n)
+def _walk(step, q, k, w, x, b, s0, *, rev, interpret):
+    """One walk over the chunks (in reverse when ``rev``) from ``s0``: per chunk
+    ``step(Q, K, W, X, b, S) -> (a float32 [c,dv] tile, a [c,dv] tile in q's dtype, the next S)``
+    (``gdn_chunk.walk_forward`` / ``walk_backward``); also writes the ``S`` met at every chunk
+    ``[B,H,N,d,dv]`` in q's dtype and the last one ``[B,H,d,dv]`` float32."""
+    B, H, Tp, d = w.shape
+    dv, N = x.shape[-1], Tp // C
+    tile, gate = _specs(C, N, rev=rev)
+    s_shape, s_block = _states(B, H, N, d, dv, q.dtype, (lambda n: N - 1 - n) if rev else (lambda n: n))
     end_shape, end_block = _end(B, H, d, dv)
 
-    def kernel(q_ref, k_ref, w_ref, u_ref, b_ref, h0_ref, o_ref, vn_ref, s_ref, hT_ref, S_ref):
-        _start(S_ref, h0_ref)
+    def kernel(q_ref, k_ref, w_ref, x_ref, b_ref, s0_ref, f_ref, h_ref, s_ref, end_ref, S_ref):
+        _start(S_ref, s0_ref)
         S = S_ref[...]
         s_ref[...] = S.astype(s_ref.dtype)
-        o_ref[...], vn_ref[...], S_ref[...] = gdn_chunk.walk_forward(
-            q_ref[...], k_ref[...], w_ref[...], u_ref[...], b_ref[0], S)
-        _store_last(S_ref, hT_ref, N)
+        f_ref[...], h_ref[...], S_ref[...] = step(q_ref[...], k_ref[...], w_ref[...], x_ref[...],
+                                                  b_ref[0], S)
+        _store_last(S_ref, end_ref, N)
 
-    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, dv), F32),
-                 jax.ShapeDtypeStruct((B, H, Tp, dv), q.dtype), s_shape, end_shape]
-    o, vn, s, hT = _call(kernel, out_shape, [tile(d), tile(d), tile(d), tile(dv), gate, end_block],
-                         [tile(dv), tile(dv), s_block, end_block], (B, H, N), True, interpret,
-                         heads_first(q), heads_first(k), w, u, _by_chunk(b[:, :, None], C), h0,
-                         state=(d, dv))
+    value = lambda dt: jax.ShapeDtypeStruct((B, H, Tp, dv), dt)  # noqa: E731
+    return _call(kernel, [value(F32), value(q.dtype), s_shape, end_shape],
+                 [tile(d), tile(d), tile(d), tile(dv), gate, end_block],
+                 [tile(dv), tile(dv), s_block, end_block], (B, H, N), True, interpret,
+                 heads_first(q), heads_first(k), w, x, _by_chunk(b[:, :, None], C), s0,
+                 state=(d, dv))
+
+
+def walk_out(q, k, w, u, b, h0, *, interpret):
+    """``(O [B,Tp,H,dv] float32, H_T, V', S)`` by the forward walk from ``h0``."""
+    o, vn, s, hT = _walk(gdn_chunk.walk_forward, q, k, w, u, b, h0, rev=False, interpret=interpret)
     return heads_first(o), hT, vn, s
 
 
 def walk_rev(q, k, w, do, b, dhT, *, interpret):
     """``(dU float32, −dV', dS, dH0)`` by the reverse walk from ``dhT``; ``dS [B,H,N,d,dv]`` the
     cotangent of the state leaving each chunk."""
-    B, Tp, H, d = q.shape
-    dv, N = do.shape[-1], Tp // C
-    tile, gate = _specs(C, N, rev=True)
-    ds_shape, ds_block = _states(B, H, N, d, dv, q.dtype, lambda n: N - 1 - n)
-    end_shape, end_block = _end(B, H, d, dv)
-
-    def kernel(q_ref, k_ref, w_ref, do_ref, b_ref, dhT_ref, du_ref, nd_ref, ds_ref, dh0_ref, S_ref):
-        _start(S_ref, dhT_ref)
-        dS = S_ref[...]
-        ds_ref[...] = dS.astype(ds_ref.dtype)
-        du_ref[...], nd_ref[...], S_ref[...] = gdn_chunk.walk_backward(
-            q_ref[...], k_ref[...], w_ref[...], b_ref[0], do_ref[...], dS)
-        _store_last(S_ref, dh0_ref, N)
-
-    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, dv), F32),
-                 jax.ShapeDtypeStruct((B, H, Tp, dv), q.dtype), ds_shape, end_shape]
-    return tuple(_call(kernel, out_shape, [tile(d), tile(d), tile(d), tile(dv), gate, end_block],
-                       [tile(dv), tile(dv), ds_block, end_block], (B, H, N), True, interpret,
-                       heads_first(q), heads_first(k), w, heads_first(do),
-                       _by_chunk(b[:, :, None], C), dhT, state=(d, dv)))
+    return tuple(_walk(gdn_chunk.walk_backward, q, k, w, heads_first(do), b, dhT, rev=True,
+                       interpret=interpret))
 
 
 def grads(q, k, vn, do, ndu, s, ds, b, *, interpret):
