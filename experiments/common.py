@@ -3,10 +3,13 @@ loading through the trainer's own machinery, results JSON, Markdown tables and f
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
 import pathlib
+import subprocess
 
 import jax
 import ml_collections
@@ -94,6 +97,28 @@ def save(fig, path):
 def read_json(path) -> dict:
     path = pathlib.Path(path)
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def start_mps():
+    """Start the CUDA MPS control daemon unless it runs (``echo quit | nvidia-cuda-mps-control``
+    stops it): processes started after it share the GPU side by side instead of in turns."""
+    try:
+        if subprocess.run(["pgrep", "-x", "nvidia-cuda-mps"], capture_output=True).returncode:
+            subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"--mps: could not start the CUDA MPS daemon (nvidia-cuda-mps-control -d): {e}")
+
+
+@contextlib.contextmanager
+def locked(folder):
+    """An exclusive lock on ``folder`` (``flock`` on the folder itself: no lock file left behind)
+    for a read-modify-write of results that several processes share."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def write_json(path, obj):

@@ -183,6 +183,45 @@ def test_mqar_sweep_resumes_and_shards(tmp_path, monkeypatch, jit_cache, free):
     assert json.loads((tmp_path / "mqar_s.json").read_text())["runs"] == json.loads(before)["runs"]
 
 
+def test_mqar_calls_on_one_shard_file_keep_each_others_results(tmp_path, monkeypatch, jit_cache):
+    """Two calls writing one shard file at once (other ``--lrs`` of the shard): each write merges
+    into the file as it is then, so a call never drops what the other wrote after it began; a
+    finished run leaves ``partial``."""
+    shard = tmp_path / "mqar_w.shard0of2.json"
+    other = {"mixer": "softmax", "dim": 16, "pairs": 1, "lr": 0.5, "accuracy": 0.5, "row_accuracy": 0.1}
+    ours = "softmax/d16/kv1/lr0.03"
+    shard.write_text(json.dumps({"runs": {}, "partial": {ours: {**other, "lr": 0.03}}}))
+
+    class Concurrent(mqar.Program):
+        def run(self, stop=None):  # the other call writes its runs while this one trains
+            common.write_json(shard, {**json.loads(shard.read_text()),
+                                      "runs": {"softmax/d16/kv1/lr0.5": other},
+                                      "partial": {"softmax/d16/kv2/lr0.5": {**other, "pairs": 2}}})
+            return super().run(stop)
+
+    monkeypatch.setattr(mqar, "Program", Concurrent)
+    mqar.main(TINY + ["--mixers", "softmax", "--target", "0", "--out", str(tmp_path),
+                      "--jit_cache", jit_cache, "--tag", "w", "--shard", "0/2"])
+    part = json.loads(shard.read_text())
+    assert set(part["runs"]) == {"softmax/d16/kv1/lr0.5"} | {
+        mqar.run_key("softmax", 16, p, lr) for p in (1, 2) for lr in (0.03, 1e-4)}
+    assert set(part["partial"]) == {"softmax/d16/kv2/lr0.5"}
+    assert part["cells"][f"softmax/d16/{TINY_LRS}"]["steps"] == 80
+
+
+def test_mqar_processes_run_the_shards_and_merge(tmp_path, jit_cache):
+    """``--processes 2``: two shard processes of the command, then their merge (all 8 runs)."""
+    argv = TINY + ["--mixers", "softmax,linear", "--target", "0", "--out", str(tmp_path),
+                   "--jit_cache", jit_cache, "--tag", "p"]
+    res = mqar.main(argv + ["--processes", "2"])
+    assert len(res["runs"]) == 8 and {r["mixer"] for r in res["runs"].values()} == {"softmax", "linear"}
+    assert sorted(p.name for p in tmp_path.glob("mqar_p.shard*")) == [
+        "mqar_p.shard0of2.json", "mqar_p.shard1of2.json"]
+    for bad in (["--processes", "2", "--shard", "0/2"], ["--processes", "2", "--merge"], ["--mps"]):
+        with pytest.raises(SystemExit):
+            mqar.parse_args(argv + bad)
+
+
 def test_mqar_merge_of_shard_files(tmp_path):
     shard = json.dumps({"runs": {"hla2/d16/kv4/lr0.01": {
         "mixer": "hla2", "dim": 16, "pairs": 4, "lr": 0.01, "accuracy": 0.5, "row_accuracy": 0.1}}})
