@@ -765,8 +765,6 @@ def main(argv=None) -> dict:
             finished = prog.run(stop=lambda p: left() < RESERVE_S + 2 * p.slowest_save)
             runs = prog.records()
             own["runs"].update(runs)
-            for key in runs:
-                own["partial"].pop(key, None)
             if not finished:
                 own["partial"].update(prog.progress())
             own["cells"][name] = prog.timings()
