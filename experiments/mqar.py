@@ -118,6 +118,7 @@ PAPER = {
 PAPER_AT_LEAST = {("softmax", "16"), ("softmax", "32"), ("softmax", "64"),
                   ("gated_deltanet", "64"), ("loglinear_gated_deltanet", "64")}
 ZOOLOGY_LRS = "1e-4,4.6e-4,2.2e-3,1e-2"
+SWEPT = {"mixers": "mixer", "dims": "dim", "lrs": "lr"}   # the settings' sweep axes, a run's keys
 PROTOCOLS = {  # Zoology: 64 epochs x 100k examples / batch 256 = 25,000 steps
     "zoology": {"steps": 25_000, "batch": 256, "eval_every": 500},
     "quick": {"steps": 2_000, "batch": 64, "eval_every": 500},  # the first recorded sweep
@@ -557,6 +558,14 @@ def table_rows(res: dict) -> list[tuple[str, str]]:
             if row in res["best"]]
 
 
+def pooled(settings: dict, *more: dict) -> dict:
+    """``settings`` with the mixers, dims and lrs of ``more`` added, in the sweep's order: a file
+    that calls with other ``--lrs`` (mixers, dims) write holds the union of their sweeps."""
+    order = {"mixers": (PAPER_MIXERS + MIXERS).index, "dims": None, "lrs": None}
+    return {**settings, **{k: sorted(dict.fromkeys(x for s in (settings, *more) for x in s.get(k, [])),
+                                     key=order[k]) for k in SWEPT}}
+
+
 def tables(res: dict) -> str:
     """Markdown: ours (mean over pairs, best lr) beside the paper, then accuracy per pair count."""
     s, best = res["settings"], res["best"]
@@ -710,19 +719,15 @@ def main(argv=None) -> dict:
     merged = res.get("settings", {})
     res["settings"] = settings
     if args.merge:  # settings from the shard files (the sweep's); mixers, dims, lrs and runs pooled
-        pooled = {k: list(merged.get(k, [])) for k in ("mixers", "dims", "lrs")}
         partial = res.setdefault("partial", {})
-        res["settings"] = dict(merged or settings)  # a merge without shard files keeps the JSON's
         for shard in shard_files:
             part = common.read_json(shard)
             res["runs"].update(part["runs"])
             res["cells"].update(part.get("cells", {}))
             partial.update(part.get("partial", {}))
-            res["settings"] = dict(part.get("settings", settings))
-            for k, seen in pooled.items():
-                seen += [x for x in res["settings"][k] if x not in seen]
-        order = {"lrs": None, "dims": None, "mixers": (PAPER_MIXERS + MIXERS).index}  # sweep order
-        res["settings"].update({k: sorted(v, key=order[k]) or settings[k] for k, v in pooled.items()})
+            merged = pooled(part.get("settings", settings), merged)
+        runs = [*res["runs"].values(), *partial.values()]   # and each run's own mixer, dim, lr
+        res["settings"] = pooled(merged or settings, {k: [r[f] for r in runs] for k, f in SWEPT.items()})
         for key in res["runs"]:
             partial.pop(key, None)
         md = finish(res, out, args.tag)
@@ -737,7 +742,7 @@ def main(argv=None) -> dict:
         output folder: calls on one file at once (other ``--lrs`` of a shard) keep each other's."""
         with common.locked(out):
             cur = common.read_json(path)
-            cur.update(tag=args.tag, settings=settings)
+            cur.update(tag=args.tag, settings=pooled(settings, cur.get("settings", {})))
             for k, mine in own.items():
                 cur[k] = {**cur.get(k, {}), **mine}
             for key in cur["runs"]:

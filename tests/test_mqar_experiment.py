@@ -186,7 +186,7 @@ def test_mqar_sweep_resumes_and_shards(tmp_path, monkeypatch, jit_cache, free):
 def test_mqar_calls_on_one_shard_file_keep_each_others_results(tmp_path, monkeypatch, jit_cache):
     """Two calls writing one shard file at once (other ``--lrs`` of the shard): each write merges
     into the file as it is then, so a call never drops what the other wrote after it began; a
-    finished run leaves ``partial``."""
+    finished run leaves ``partial``; the file's settings, and its merge's, sweep both calls' lrs."""
     shard = tmp_path / "mqar_w.shard0of2.json"
     other = {"mixer": "softmax", "dim": 16, "pairs": 1, "lr": 0.5, "accuracy": 0.5, "row_accuracy": 0.1}
     ours = "softmax/d16/kv1/lr0.03"
@@ -195,8 +195,9 @@ def test_mqar_calls_on_one_shard_file_keep_each_others_results(tmp_path, monkeyp
     class Concurrent(mqar.Program):
         def run(self, stop=None):  # the other call writes its runs while this one trains
             common.write_json(shard, {**json.loads(shard.read_text()),
+                                      "settings": {"mixers": ["softmax"], "dims": [16], "lrs": [0.5]},
                                       "runs": {"softmax/d16/kv1/lr0.5": other},
-                                      "partial": {"softmax/d16/kv2/lr0.5": {**other, "pairs": 2}}})
+                                      "partial": {"softmax/d16/kv2/lr0.5": {**other, "pairs": 2, "cut_at": 40}}})
             return super().run(stop)
 
     monkeypatch.setattr(mqar, "Program", Concurrent)
@@ -207,6 +208,10 @@ def test_mqar_calls_on_one_shard_file_keep_each_others_results(tmp_path, monkeyp
         mqar.run_key("softmax", 16, p, lr) for p in (1, 2) for lr in (0.03, 1e-4)}
     assert set(part["partial"]) == {"softmax/d16/kv2/lr0.5"}
     assert part["cells"][f"softmax/d16/{TINY_LRS}"]["steps"] == 80
+    assert part["settings"]["lrs"] == [1e-4, 0.03, 0.5]
+    merged = mqar.main(TINY + ["--mixers", "softmax", "--out", str(tmp_path), "--jit_cache", jit_cache,
+                               "--tag", "w", "--merge"])
+    assert merged["settings"]["lrs"] == [1e-4, 0.03, 0.5] and merged["settings"]["dims"] == [16]
 
 
 def test_mqar_processes_run_the_shards_and_merge(tmp_path, jit_cache):
