@@ -27,7 +27,11 @@ Kernels (``CASES``), compiled, not interpreted:
   of their own), GPU numerics checked the same way;
 - ``loglinear_gated_deltanet_blocks_ut``: ``ops.loglinear_gdn_blocks.blocks(terms="kernel")``, that
   block form with its chunk terms from the first-order kernel's Triton UT transform and the
-  Triton chunk-terms kernel (``kernels/gpu/gdn_terms.py``).
+  Triton chunk-terms kernel (``kernels/gpu/gdn_terms.py``);
+- ``jla_gated_deltanet``: the ``jax-linear-attention`` wheel's Mosaic GPU Gated DeltaNet
+  (``linear_attention("gated_deltanet", impl="mosaic_gpu", scale=1)``, from an initial state and
+  returning the final state), not ours: its errors under the same oracle and limits, beside our
+  kernel's on the same kind of inputs (the numerics its design choices cost, e.g. its bf16 ``T``).
 
 Gates ``g``: per token (``token``), per head (``head``), none, or per token with −∞ entries
 (``reset``: in batch element 0 only, at chunk boundaries and at random, so the other element
@@ -74,6 +78,7 @@ BLOCKS_UT = "loglinear_gated_deltanet_blocks_ut"  # the GDN block form on its Tr
 WITH_LAM = LOGLINEAR + BLOCKS + (BLOCKS_UT,)
 # keys L2-normalised, a β
 DELTA = ("gated_deltanet", "loglinear_gated_deltanet", "loglinear_gated_deltanet_blocks", BLOCKS_UT)
+WHEEL_GDN = "jla_gated_deltanet"  # the wheel's, checked beside ours (the last cases)
 RESETS = (64, 127, 500)  # positions of −∞ log-decays in a "reset" gate (chunk starts and ends)
 DOCS = (300, 1, 137, 64, 211)  # document lengths of a "docs" row, in turn
 STATE_T0 = (3000, 77)  # the rows' positions in a "state" case (3000: not aligned to 2^10)
@@ -116,6 +121,9 @@ CASES = [
       for n in LOGLINEAR for dt in ("bfloat16", "float32")],
     *[Case(BLOCKS_UT, B, T, 2, 128, 128, gate, False, "bfloat16")
       for B, T, gate in ((2, 1000, "reset"), (1, 1600, "token"), (1, 1000, "aligned"))],
+    Case("gated_deltanet", 2, 1000, 2, 128, 128, "token", False, "bfloat16"),  # the wheel beside
+    *[Case(WHEEL_GDN, B, 1000, 2, 128, 128, gate, False, "bfloat16")  # it and case 39 (aligned)
+      for B, gate in ((2, "token"), (1, "aligned"))],
 ]
 
 
@@ -136,7 +144,7 @@ def operands(rng, case):
     q, k = (rng.normal(size=(B, T, H, d)) / np.sqrt(d) for _ in range(2))
     if case.gate == "aligned":  # keys around one direction: the UT inverse's hard case
         k = rng.normal(size=d) + 0.1 * rng.normal(size=(B, T, H, d))
-    if case.kernel in DELTA:
+    if case.kernel in DELTA + (WHEEL_GDN,):
         k = k / np.linalg.norm(k, axis=-1, keepdims=True)
     args = [jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(rng.normal(size=(B, T, H, dv)), dt)]
     names = ["q", "k", "v"]
@@ -148,7 +156,7 @@ def operands(rng, case):
             g[0][rng.random((T, H)) < 0.005] = -np.inf
         args.append(jnp.asarray(g, jnp.float32))
         names.append("g")
-    if case.kernel in DELTA:
+    if case.kernel in DELTA + (WHEEL_GDN,):
         lo, hi = (0.9, 0.99) if case.gate == "aligned" else (0.1, 0.9)
         args.append(jnp.asarray(rng.uniform(lo, hi, (B, T, H)), jnp.float32))
         names.append("beta")
@@ -159,7 +167,7 @@ def operands(rng, case):
     if case.gate == "state":
         args.append(jnp.asarray(rng.normal(size=(L, B, H, d, dv)) / np.sqrt(d), jnp.float32))
         names.append("h0")
-    if case.kernel == "la_pallas" or (case.kernel == "gated_deltanet" and case.gate != "docs"):
+    if case.kernel in ("la_pallas", WHEEL_GDN) or (case.kernel == "gated_deltanet" and case.gate != "docs"):
         args.append(jnp.asarray(rng.normal(size=(B, H, d, dv)), jnp.float32))
         names.append("h0")
     return args, names
@@ -217,6 +225,11 @@ def kernel_fn(case):
     if case.kernel == "gated_deltanet":
         return lambda q, k, v, g, beta, h0: kernels.gated_deltanet_pallas(
             q, k, v, g, beta, initial_state=h0, return_final_state=True)
+    if case.kernel == WHEEL_GDN:
+        from jla.ops import linear_attention
+        return lambda q, k, v, g, beta, h0: linear_attention(
+            "gated_deltanet", q, k, v, g=g, beta=beta, scale=1.0, impl="mosaic_gpu",
+            initial_state=h0, output_final_state=True)
     if case.kernel in HLA:
         return lambda *a: (getattr(ops, case.kernel)(*a, normalize=case.normalize, eps=1e-6, impl="pallas"),)
     if case.kernel in BLOCKS:
@@ -243,7 +256,7 @@ def reference_fn(case):
         return lambda q, k, v, g: (reference.linear_attention(q, k, v, g),)
     if case.kernel == "la_pallas":
         return la_with_state
-    if case.kernel == "gated_deltanet" and case.gate != "docs":
+    if case.kernel in ("gated_deltanet", WHEEL_GDN) and case.gate != "docs":
         return lambda q, k, v, g, beta, h0: ops.gated_deltanet(
             q, k, v, g, beta, initial_state=h0, return_final_state=True, impl="recurrent")
     if case.kernel in HLA:
