@@ -197,7 +197,8 @@ def test_mqar_calls_on_one_shard_file_keep_each_others_results(tmp_path, monkeyp
             common.write_json(shard, {**json.loads(shard.read_text()),
                                       "settings": {"mixers": ["softmax"], "dims": [16], "lrs": [0.5]},
                                       "runs": {"softmax/d16/kv1/lr0.5": other},
-                                      "partial": {"softmax/d16/kv2/lr0.5": {**other, "pairs": 2, "cut_at": 40}}})
+                                      "partial": {"softmax/d16/kv2/lr0.5": {**other, "pairs": 2,
+                                                                            "cut_at": 40}}})
             return super().run(stop)
 
     monkeypatch.setattr(mqar, "Program", Concurrent)
