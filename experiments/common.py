@@ -106,7 +106,8 @@ def start_mps():
         if subprocess.run(["pgrep", "-x", "nvidia-cuda-mps"], capture_output=True).returncode:
             subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as e:
-        raise SystemExit(f"--mps: could not start the CUDA MPS daemon (nvidia-cuda-mps-control -d): {e}")
+        raise SystemExit("--mps: could not start the CUDA MPS daemon "
+                         f"(nvidia-cuda-mps-control -d): {e}") from e
 
 
 @contextlib.contextmanager
