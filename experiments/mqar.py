@@ -566,6 +566,17 @@ def pooled(settings: dict, *more: dict) -> dict:
                                      key=order[k]) for k in SWEPT}}
 
 
+def fold(into: dict, part: dict) -> dict:
+    """``part``'s runs, cells and partial runs folded into ``into`` (a finished run leaves
+    ``partial``), the settings ``part``'s with the sweeps pooled; ``into`` returned."""
+    for k in ("runs", "cells", "partial"):
+        into[k] = {**into.get(k, {}), **part.get(k, {})}
+    for key in into["runs"]:
+        into["partial"].pop(key, None)
+    into["settings"] = pooled(part.get("settings", {}), into.get("settings", {}))
+    return into
+
+
 def tables(res: dict) -> str:
     """Markdown: ours (mean over pairs, best lr) beside the paper, then accuracy per pair count."""
     s, best = res["settings"], res["best"]
@@ -716,23 +727,16 @@ def main(argv=None) -> dict:
                 "vocab_size": args.vocab, "note": args.note}
     res = common.read_json(main_path) or {"tag": args.tag, "runs": {}}
     res.setdefault("cells", {})
-    merged = res.get("settings", {})
-    res["settings"] = settings
     if args.merge:  # settings from the shard files (the sweep's); mixers, dims, lrs and runs pooled
-        partial = res.setdefault("partial", {})
         for shard in shard_files:
-            part = common.read_json(shard)
-            res["runs"].update(part["runs"])
-            res["cells"].update(part.get("cells", {}))
-            partial.update(part.get("partial", {}))
-            merged = pooled(part.get("settings", settings), merged)
-        runs = [*res["runs"].values(), *partial.values()]   # and each run's own mixer, dim, lr
-        res["settings"] = pooled(merged or settings, {k: [r[f] for r in runs] for k, f in SWEPT.items()})
-        for key in res["runs"]:
-            partial.pop(key, None)
+            fold(res, {"settings": settings, **common.read_json(shard)})
+        runs = [*res["runs"].values(), *res.get("partial", {}).values()]  # each run's mixer, dim, lr
+        res["settings"] = pooled(res.get("settings") or settings,
+                                 {k: [r[f] for r in runs] for k, f in SWEPT.items()})
         md = finish(res, out, args.tag)
         print(md)
         return res
+    res["settings"] = settings
     done = set(res["runs"]) | {k for f in shard_files for k in common.read_json(f).get("runs", {})}
     ckpt_dir = out / f"mqar_{args.tag}.ckpt"
     own = {"runs": {}, "cells": {}, "partial": {}}  # what this call trained
@@ -741,12 +745,8 @@ def main(argv=None) -> dict:
         """This call's results merged into the file as it is now, written under a lock on the
         output folder: calls on one file at once (other ``--lrs`` of a shard) keep each other's."""
         with common.locked(out):
-            cur = common.read_json(path)
-            cur.update(tag=args.tag, settings=pooled(settings, cur.get("settings", {})))
-            for k, mine in own.items():
-                cur[k] = {**cur.get(k, {}), **mine}
-            for key in cur["runs"]:
-                cur["partial"].pop(key, None)
+            cur = fold(common.read_json(path), {**own, "settings": settings})
+            cur["tag"] = args.tag
             if path == main_path:
                 finish(cur, out, args.tag)
             else:
