@@ -202,6 +202,41 @@ def test_bench_gdn_blocks_parts_times_each_part(tmp_path):
         assert all(t > 0 for part in ("chunk_parts", "window", "levels", "whole") for t in r[part])
 
 
+def test_bench_gdn_parts_times_each_step_in_the_interpreters(tmp_path):
+    """The Gated DeltaNet parts benchmark on a tiny shape in Pallas' interpreters (the times mean
+    nothing on a CPU): the five steps, the core forward and backward, a sweep, the record."""
+    from experiments import bench_gdn_parts
+
+    row = bench_gdn_parts.main(["--T", "128", "--tokens", "128", "--shape", "1,64,64",
+                                "--repeats", "1", "--sweep", "grads", "--interpret",
+                                "--out", str(tmp_path), "--name", "tiny"])
+    assert json.loads((tmp_path / "tiny.json").read_text()) == json.loads(json.dumps(row))
+    timed = ("ut_fwd", "walk_out", "walk_rev", "grads", "ut_bwd", "fwd", "bwd",
+             "grads_w4_kbd", "grads_w8_kb64")
+    assert all(row[name] > 0 for name in timed), row
+
+
+def test_profile_gdn_summary_reads_ncu_csv(tmp_path):
+    """The ncu summary: the five steps in launch order, XLA's fusions left out, counters read
+    with their thousands separators; a profile missing a step is refused, naming what it found."""
+    from experiments import profile_gdn
+
+    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    kernels = ["kernel", "loop_broadcast_fusion", "gdn_walk_out_mosaic_gpu_kernel",
+               "gdn_walk_rev_mosaic_gpu_kernel", "kernel", "kernel"]
+    lines = ["==PROF== Connected", header]
+    for i, name in enumerate(kernels):
+        lines += [f'"{i}","{name}","Duration","ns","{1000 * (i + 1):,}"',
+                  f'"{i}","{name}","Local Memory Spilling Requests","","{i * 1_000_000:,}"']
+    (tmp_path / "ncu.csv").write_text("\n".join(lines) + "\n")
+    table = profile_gdn.summary(str(tmp_path / "ncu.csv")).splitlines()
+    assert [r.split(" | ")[0].lstrip("| ") for r in table[2:]] == list(profile_gdn.STEPS)
+    assert table[-1].startswith("| ut_bwd | kernel | 6 | – | 5,000,000 |")
+    (tmp_path / "short.csv").write_text("\n".join(lines[:-2]) + "\n")
+    with pytest.raises(ValueError, match="expected 5 kernels of ours"):
+        profile_gdn.summary(str(tmp_path / "short.csv"))
+
+
 def test_set_overrides_the_trained_config_and_names_it():
     """``--set KEY=VALUE`` (mqar.py, and the ``--train`` of position_loss.py / niah.py): typed
     values on dotted keys; the run's label names the HLA options it turned on."""

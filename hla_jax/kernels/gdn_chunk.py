@@ -77,17 +77,28 @@ def ut_apply(X, Ys, fast: bool):
 def ut_backward(K, bb, beta, X, dW, dUV):
     """``(dK [c,d], dβ [c])`` (float32, ``b`` fixed) of the UT transform from the forward's
     ``X [c,c]`` float32, ``dW`` and ``dUV = dU Vᵀ [c,c]`` (summed over value tiles by the
-    caller)."""
-    dt = K.dtype
-    fast = dt == jnp.bfloat16
-    r, _, _, Gam, _ = decays(bb)
-    KK = dot(K, K, tb=True)
+    caller): ``ut_backward_gram`` on the whole keys, then ``ut_backward_keys``."""
+    dt, r = K.dtype, jnp.exp(bb)
     dTm = dot(dW.astype(dt), (r[:, None] * K).astype(dt), tb=True) + dUV
+    bE, dbeta = ut_backward_gram(X, bb, beta, dot(K, K, tb=True), dTm, dt == jnp.bfloat16)
+    return ut_backward_keys(X, r, beta, bE, K, dW), dbeta
+
+
+def ut_backward_gram(X, bb, beta, KK, dTm, fast: bool):
+    """``(β∘E [c,c], dβ [c])`` float32 from ``K Kᵀ`` and ``dT`` (``[c,c]``, either summed over
+    key and value tiles): ``E = strict_tril(−Xᵀ dX Xᵀ) ∘ Γ`` with ``dX = dT diag(β)``."""
+    Gam = decays(bb)[3]
     dA = -tri_dot(tri_dot(X, dTm * beta[None, :], fast, ta=True), X, fast, tb=True)
-    E = jnp.where(strict_lower(K.shape[0]), dA, 0.0) * Gam
-    dKK = (beta[:, None] * E).astype(dt)
-    dK = r[:, None] * tri_dot(X * beta[None, :], dW, fast, ta=True) + dot(dKK, K) + dot(dKK, K, ta=True)
-    return dK, jnp.sum(X * dTm, axis=0) + jnp.sum(E * KK, axis=1)
+    E = jnp.where(strict_lower(X.shape[0]), dA, 0.0) * Gam
+    return beta[:, None] * E, jnp.sum(X * dTm, axis=0) + jnp.sum(E * KK, axis=1)
+
+
+def ut_backward_keys(X, r, beta, bE, K, dW):
+    """``dK = ρ∘(Tᵀ dW) + (β∘E) K + (β∘E)ᵀ K`` of one key tile ``K, dW [c,kt]`` (``r = ρ``),
+    float32."""
+    dKK = bE.astype(K.dtype)
+    return (r[:, None] * tri_dot(X * beta[None, :], dW, K.dtype == jnp.bfloat16, ta=True)
+            + dot(dKK, K) + dot(dKK, K, ta=True))
 
 
 def ut_backward_values(X, beta, dU, fast: bool):

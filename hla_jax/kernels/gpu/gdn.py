@@ -46,4 +46,4 @@ def grads(q, k, vn, do, ndu, s, ds, b, *, interpret):
 
 
 def ut_backward(k, v, w, b, beta, x, dw, du, dk, *, interpret):
-    return gdn_ut.backward(k, v, w, b, beta, x, dw[None], du, dk[None], interpret=interpret)
+    return gdn_ut.backward(k, v, w, b, beta, x, dw, du, dk, interpret=interpret)

@@ -29,9 +29,11 @@ from hla_jax.kernels.la_chunk import F32
 
 @functools.partial(jax.jit, static_argnames=("c", "kb", "num_warps", "interpret"))
 def backward(q, k, vn, do, ndvn, s, ds, b, *, c=64, kb=64, num_warps=4, interpret=False):
-    """``(dQ, dK, dW, q·dQ_inter, q·dQ, k·dK_inter)``: ``dQ [B,Tp,H,d]`` in ``q``'s dtype, ``dK``
-    (the walks' part) and ``dW`` float32, the per-token sums ``[d/kb,B,H,Tp]`` float32 in one
-    share per key block (the gate's terms, ``kernels/gdn.py``)."""
+    """``(dQ, dK, dW, q·dQ_inter, q·dQ, k·dK_inter)``: ``dQ``, ``dK`` (the walks' part) and ``dW``
+    ``[B,Tp,H,d]`` in ``q``'s dtype (16-bit: half the float32 traffic to ``gdn_ut.backward``,
+    which adds this ``dK`` to its own part and multiplies ``dW`` by 16-bit keys), the
+    per-token sums ``[d/kb,B,H,Tp]`` float32 in one share per key block (the gate's terms,
+    ``kernels/gdn.py``)."""
     B, Tp, H, d = q.shape
     kb = min(kb or d, d)
     if d % kb:
@@ -53,14 +55,13 @@ def backward(q, k, vn, do, ndvn, s, ds, b, *, c=64, kb=64, num_warps=4, interpre
         dQ, dK, *sums = gdn_chunk.walk_grads(q_ref[i, ts, h, keys], k_ref[i, ts, h, keys],
                                              b_ref[i, h, ts], D, dOS, VdS)
         dq_ref[i, ts, h, keys] = dQ.astype(dq_ref.dtype)
-        dk_ref[i, ts, h, keys] = dK
-        dw_ref[i, ts, h, keys] = dW
+        dk_ref[i, ts, h, keys] = dK.astype(dk_ref.dtype)
+        dw_ref[i, ts, h, keys] = dW.astype(dw_ref.dtype)
         for ref, x in zip((qdqi_ref, qdq_ref, kdki_ref), sums):
             ref[j, i, h, ts] = x
 
     per_token = jax.ShapeDtypeStruct((d // kb, B, H, Tp), F32)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape, F32),
-                 jax.ShapeDtypeStruct(q.shape, F32), per_token, per_token, per_token]
+    out_shape = 3 * [jax.ShapeDtypeStruct(q.shape, q.dtype)] + [per_token, per_token, per_token]
     return tuple(pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, Tp // c, d // kb),
                                 compiler_params=compiler_params(num_warps, interpret),
                                 interpret=interpret)(q, k, vn, do, ndvn, s, ds, b))

@@ -43,11 +43,16 @@ def _value_tiles(dv):
     return bu, dv // bu
 
 
-def _over_value_tiles(dv, body, init):
-    """``body(cols, carry)`` over the value tiles' column slices, in a loop."""
-    bu, n = _value_tiles(dv)
+def _over_tiles(bu, n, body, init):
+    """``body(cols, carry)`` over ``n`` column slices of ``bu``, in a loop (not unrolled: each
+    tile's loads and products die with its step)."""
     return lax.fori_loop(0, n, lambda t, carry: body(pl.ds(pl.multiple_of(t * bu, bu), bu), carry),
                          init)
+
+
+def _over_value_tiles(dv, body, init):
+    """``body(cols, carry)`` over the value tiles' column slices (``_value_tiles``)."""
+    return _over_tiles(*_value_tiles(dv), body, init)
 
 
 @functools.partial(jax.jit, static_argnames=("c", "cb", "num_warps", "interpret"))
@@ -83,37 +88,59 @@ def forward(k, v, b, beta, *, c=64, cb=32, num_warps=4, interpret=False):
     return _call(kernel, out_shape, c, num_warps, interpret, k, v, b, beta)
 
 
-@functools.partial(jax.jit, static_argnames=("c", "num_warps", "interpret"))
-def backward(k, v, w, b, beta, x, dw, du, dk_walk, *, c=64, num_warps=4, interpret=False):
-    """``(dk, dv, dbeta, w·dw, v·dv)`` from the forward's ``w`` and ``x``, the cotangent
-    ``du [B,Tp,H,dv]``, and ``dw``, ``dk_walk [nv,B,Tp,H,d]`` in ``nv`` shares (summed here; the
-    walks' parts of ``dW`` and ``dK``): ``dk`` in ``k``'s dtype (the walks' part added), ``dv`` in
-    ``v``'s, the rest float32 ``[B,H,Tp]`` (the per-token sums are the gate's terms,
-    ``kernels/gdn.py``); ``dU Vᵀ`` and ``dv`` in one loop over the value tiles."""
-    def kernel(k_ref, v_ref, w_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref, dkw_ref,
-               dk_ref, dv_ref, dbeta_ref, wdw_ref, vdv_ref):
-        i, h, ts = pl.program_id(0), pl.program_id(1), _rows(c)
-        K, beta, X = k_ref[i, ts, h, :], beta_ref[i, h, ts], x_ref[i, h, ts, :]
-        fast = K.dtype == jnp.bfloat16
+@functools.partial(jax.jit, static_argnames=("c", "kt", "num_warps", "interpret"))
+def backward(k, v, w, b, beta, x, dw, du, dk_walk, *, c=64, kt=64, num_warps=4, interpret=False):
+    """``(dk, dv, dbeta, w·dw, v·dv)`` from the forward's ``w`` and ``x``, the cotangents
+    ``du [B,Tp,H,dv]`` and ``dw [B,Tp,H,d]``, and the walks' part ``dk_walk [B,Tp,H,d]`` of ``dK``
+    (``None``: none): ``dk`` in ``k``'s dtype (``dk_walk`` added), ``dv`` in ``v``'s, the rest
+    float32 ``[B,H,Tp]`` (the per-token sums are the gate's terms, ``kernels/gdn.py``).  Three
+    loops over tiles of ``kt`` columns keep the registers to ``[c,kt]`` tiles: values (``dV``,
+    ``v·dV``, ``dU Vᵀ``), keys (``dT``, ``K Kᵀ``, ``w·dW``), keys again (``dK``)."""
+    d, dv = k.shape[-1], v.shape[-1]
+    kt = min(kt, d)
+    if d % kt or dv % kt:
+        raise ValueError(f"gdn_ut.backward: kt={kt} must divide d={d} of k [B,T,H,d] and dv={dv} "
+                         f"of v [B,T,H,dv]")
 
-        def value_tile(cols, carry):   # dV = Tᵀ dU, v·dV and dU Vᵀ from one read of dU and V
+    def kernel(k_ref, v_ref, w_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref, *refs):
+        dkw_ref, (dk_ref, dv_ref, dbeta_ref, wdw_ref, vdv_ref) = refs[:-5], refs[-5:]
+        i, h, ts = pl.program_id(0), pl.program_id(1), _rows(c)
+        bb, beta, X = b_ref[i, h, ts], beta_ref[i, h, ts], x_ref[i, h, ts, :]
+        dt, r = k_ref.dtype, jnp.exp(bb)
+        fast = dt == jnp.bfloat16
+
+        def value_tile(cols, carry):
             duv, vdv = carry
             dU, V = du_ref[i, ts, h, cols], v_ref[i, ts, h, cols]
             dV = gdn_chunk.ut_backward_values(X, beta, dU, fast)
             dv_ref[i, ts, h, cols] = dV.astype(dv_ref.dtype)
-            return (duv + dot(dU.astype(K.dtype), V, tb=True),
+            return (duv + dot(dU.astype(dt), V, tb=True),
                     vdv + jnp.sum(V.astype(F32) * dV, axis=1))
 
-        duv, vdv_ref[i, h, ts] = _over_value_tiles(
-            v.shape[-1], value_tile, (jnp.zeros((c, c), F32), jnp.zeros((c,), F32)))
-        shares = lambda ref: sum(ref[j, i, ts, h, :] for j in range(ref.shape[0]))  # noqa: E731
-        dW = shares(dw_ref)
-        wdw_ref[i, h, ts] = jnp.sum(w_ref[i, ts, h, :].astype(F32) * dW, axis=1)
-        dK, dbeta_ref[i, h, ts] = gdn_chunk.ut_backward(K, b_ref[i, h, ts], beta, X, dW, duv)
-        dk_ref[i, ts, h, :] = (dK + shares(dkw_ref)).astype(dk_ref.dtype)
+        def key_tile(cols, carry):
+            dTm, KK, wdw = carry
+            K, dW = k_ref[i, ts, h, cols], dw_ref[i, ts, h, cols]
+            return (dTm + dot(dW.astype(dt), (r[:, None] * K).astype(dt), tb=True),
+                    KK + dot(K, K, tb=True),
+                    wdw + jnp.sum(w_ref[i, ts, h, cols].astype(F32) * dW.astype(F32), axis=1))
+
+        def key_grad(cols, carry):
+            K = k_ref[i, ts, h, cols]
+            dK = gdn_chunk.ut_backward_keys(X, r, beta, bE, K, dw_ref[i, ts, h, cols].astype(F32))
+            for ref in dkw_ref:
+                dK = dK + ref[i, ts, h, cols]
+            dk_ref[i, ts, h, cols] = dK.astype(dk_ref.dtype)
+            return carry
+
+        row, cc = jnp.zeros((c,), F32), jnp.zeros((c, c), F32)
+        duv, vdv_ref[i, h, ts] = _over_tiles(kt, dv // kt, value_tile, (cc, row))
+        dTm, KK, wdw_ref[i, h, ts] = _over_tiles(kt, d // kt, key_tile, (duv, cc, row))
+        bE, dbeta_ref[i, h, ts] = gdn_chunk.ut_backward_gram(X, bb, beta, KK, dTm, fast)
+        _over_tiles(kt, d // kt, key_grad, 0)
 
     B, Tp, H = k.shape[:3]
     per_token = jax.ShapeDtypeStruct((B, H, Tp), F32)
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
                  per_token, per_token, per_token]
-    return _call(kernel, out_shape, c, num_warps, interpret, k, v, w, b, beta, x, dw, du, dk_walk)
+    walk = () if dk_walk is None else (dk_walk,)
+    return _call(kernel, out_shape, c, num_warps, interpret, k, v, w, b, beta, x, dw, du, *walk)
