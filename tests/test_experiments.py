@@ -216,6 +216,20 @@ def test_bench_gdn_parts_times_each_step_in_the_interpreters(tmp_path):
     assert all(row[name] > 0 for name in timed), row
 
 
+def test_gdn_gate_error_records_each_length(tmp_path):
+    """The error-by-length run on one short T in the interpreters: every output and gradient's
+    relative error recorded, all of them small, and the table written."""
+    from experiments import gdn_gate_error
+
+    res = gdn_gate_error.main(["--T", "100", "--gate", "reset", "--out", str(tmp_path),
+                               "--name", "tiny"])
+    assert json.loads((tmp_path / "tiny.json").read_text()) == json.loads(json.dumps(res))
+    (row,) = res["rows"]
+    assert set(row["rel"]) == {"out", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
+    assert all(0 < e < 3e-2 for e in row["rel"].values()), row
+    assert (tmp_path / "tiny.md").read_text().splitlines()[-1].startswith("| 100 | ")
+
+
 def test_profile_gdn_summary_reads_ncu_csv(tmp_path):
     """The ncu summary: the five steps in launch order, XLA's fusions left out, counters read
     with their thousands separators; a profile missing a step is refused, naming what it found."""
