@@ -22,6 +22,10 @@ import argparse
 import collections
 import csv
 import ctypes
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 STEPS = ("ut_fwd", "walk_out", "walk_rev", "grads", "ut_bwd")
 METRICS = (("Duration", "µs", 1e-3), ("Registers Per Thread", "regs", 1),
@@ -34,8 +38,9 @@ METRICS = (("Duration", "µs", 1e-3), ("Registers Per Thread", "regs", 1),
 def run(tokens: int, T: int):
     """The five steps twice, the second set between the profiler's start and stop."""
     import jax
-    from bench_gdn_parts import steps as gdn_steps
-    from bench_kernels import Shape
+
+    from experiments.bench_gdn_parts import steps as gdn_steps
+    from experiments.bench_kernels import Shape
 
     steps = [gdn_steps(max(tokens // T, 1), T, Shape())[0][name] for name in STEPS]
     for f, a in steps:

@@ -77,11 +77,19 @@ def ut_apply(X, Ys, fast: bool):
 def ut_backward(K, bb, beta, X, dW, dUV):
     """``(dK [c,d], dβ [c])`` (float32, ``b`` fixed) of the UT transform from the forward's
     ``X [c,c]`` float32, ``dW`` and ``dUV = dU Vᵀ [c,c]`` (summed over value tiles by the
-    caller): ``ut_backward_gram`` on the whole keys, then ``ut_backward_keys``."""
-    dt, r = K.dtype, jnp.exp(bb)
-    dTm = dot(dW.astype(dt), (r[:, None] * K).astype(dt), tb=True) + dUV
-    bE, dbeta = ut_backward_gram(X, bb, beta, dot(K, K, tb=True), dTm, dt == jnp.bfloat16)
+    caller): ``ut_backward_key_terms``, ``ut_backward_gram`` and ``ut_backward_keys`` on the whole
+    keys."""
+    r = jnp.exp(bb)
+    dTm, KK = ut_backward_key_terms(K, r, dW, dUV, 0.0)
+    bE, dbeta = ut_backward_gram(X, bb, beta, KK, dTm, K.dtype == jnp.bfloat16)
     return ut_backward_keys(X, r, beta, bE, K, dW), dbeta
+
+
+def ut_backward_key_terms(K, r, dW, dTm, KK):
+    """``(dT + dW (ρ∘K)ᵀ, KK + K Kᵀ)`` ``[c,c]`` float32: one key tile ``K, dW [c,kt]``'s shares
+    (``r = ρ``, operands in ``K``'s dtype) added to the sums over tiles so far."""
+    dt = K.dtype
+    return dTm + dot(dW.astype(dt), (r[:, None] * K).astype(dt), tb=True), KK + dot(K, K, tb=True)
 
 
 def ut_backward_gram(X, bb, beta, KK, dTm, fast: bool):

@@ -120,8 +120,7 @@ def backward(k, v, w, b, beta, x, dw, du, dk_walk, *, c=64, kt=64, num_warps=4, 
         def key_tile(cols, carry):
             dTm, KK, wdw = carry
             K, dW = k_ref[i, ts, h, cols], dw_ref[i, ts, h, cols]
-            return (dTm + dot(dW.astype(dt), (r[:, None] * K).astype(dt), tb=True),
-                    KK + dot(K, K, tb=True),
+            return (*gdn_chunk.ut_backward_key_terms(K, r, dW, dTm, KK),
                     wdw + jnp.sum(w_ref[i, ts, h, cols].astype(F32) * dW.astype(F32), axis=1))
 
         def key_grad(cols, carry):
