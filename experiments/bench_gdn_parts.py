@@ -60,7 +60,7 @@ def steps(B: int, T: int, shape: Shape, interpret: bool = False):
              "walk_out": (walk["out"], (b2, q, k, w16, u16)),
              "walk_rev": (walk["rev"], (b2, q, k, w16, w)),
              "grads": (grads, (q, k, vn, w, ndu, s, ds, b)),
-             "ut_bwd": (ut_bwd, (k, v, w16, b, beta, x, w16, du, w16))},
+             "ut_bwd": (functools.partial(ut_bwd, dk_walk=w16), (k, v, b, beta, x, w16, du))},
             dict(args=(q, k, v, beta_t.astype(jnp.float32), g, h0), do=w))
 
 

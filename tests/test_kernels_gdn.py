@@ -86,6 +86,36 @@ def check_against_recurrence(rng, B, T, H, d, dv, case, platform):
         assert_close(a, b, tol, what)
 
 
+def test_gate_gradient_does_not_drift_over_long_sequences(rng):
+    """``dg`` over 40 chunks (bf16, the GPU kernels in interpret mode) against the float64
+    recurrence: the part after each chunk is the inner product of that chunk's states, so its
+    error does not grow with T (a running sum of per-chunk terms carried back from the end had
+    about twice this error here)."""
+    B, T, H, d, dv = 2, 2560, 1, 128, 128
+    q, k = (rng.normal(size=(B, T, H, d)) / np.sqrt(d) for _ in range(2))
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, rng.normal(size=(B, T, H, dv)))]
+    args += [jnp.asarray(-rng.uniform(0, 0.2, (B, T, H)), jnp.float32),
+             jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.float32),
+             jnp.asarray(rng.normal(size=(B, H, d, dv)), jnp.float32)]
+    wo = rng.normal(size=(B, T, H, dv))
+    wh = rng.normal(size=(B, H, d, dv))
+
+    def loss(fn, dt):
+        return lambda *a: (jnp.sum(fn(*a)[0] * jnp.asarray(wo, dt))
+                           + jnp.sum(fn(*a)[1] * jnp.asarray(wh, dt)))
+
+    got = jax.grad(loss(kernel, jnp.float32), argnums=3)(*args)
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(np.asarray(x.astype(jnp.float32)), jnp.float64) for x in args]
+        want = jax.grad(loss(oracle64, jnp.float64), argnums=3)(*wide)
+    assert_close(got, want, 4e-3, "dg")
+
+
+def oracle64(q, k, v, g, beta, h0):
+    return ops.gated_deltanet(q, k, v, g, beta, initial_state=h0, return_final_state=True,
+                              impl="recurrent")
+
+
 def test_packed_documents_equal_the_documents_alone(rng):
     """``ops.gated_deltanet(impl="pallas", segment_ids=…)`` (the reset gate into the kernel)
     equals the quadratic reference of the packed row."""
@@ -154,7 +184,7 @@ def test_tpu_backend_lowers_through_mosaic():
 def test_ut_backward_is_the_vjp_of_ut_forward(rng, cb):
     """One chunk's UT transform (``kernels/gdn_chunk.py``) in float64: the blocked forward's
     ``W, U`` solve ``(I + A) [W | U] = diag(β) [ρ∘K | V]`` and its ``X`` is ``(I + A)⁻¹``; the
-    hand-written backward from that ``X`` equals autodiff of the forward (``b`` fixed)."""
+    hand-written backward from that ``X`` equals autodiff of the forward, ``∂L/∂b`` included."""
     from hla_jax.kernels import gdn_chunk
 
     c, d, dv = 16, 8, 5
@@ -164,7 +194,7 @@ def test_ut_backward_is_the_vjp_of_ut_forward(rng, cb):
         bb = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.3, c)))
         beta = jnp.asarray(rng.uniform(0.1, 0.9, c))
 
-        def forward(K, V, beta):
+        def forward(K, V, beta, bb=bb):
             Ks, Vs, bs, betas = (jnp.split(x, c // cb) for x in (K, V, bb, beta))
             X = gdn_chunk.ut_inverse(Ks, bs, betas)
             W = gdn_chunk.ut_apply(X, [(bt * jnp.exp(b))[:, None] * k for k, b, bt in zip(Ks, bs, betas)],
@@ -179,18 +209,18 @@ def test_ut_backward_is_the_vjp_of_ut_forward(rng, cb):
         assert_close(jnp.concatenate([W, U], 1), jnp.linalg.solve(jnp.eye(c) + A, rhs), 1e-12)
         assert_close(X, jnp.linalg.inv(jnp.eye(c) + A), 1e-12)
         dW, dU = jnp.asarray(rng.normal(size=(c, d))), jnp.asarray(rng.normal(size=(c, dv)))
-        _, vjp = jax.vjp(lambda K, V, beta: forward(K, V, beta)[:2], K, V, beta)
-        dK, dbeta = gdn_chunk.ut_backward(K, bb, beta, X, dW, dU @ V.T)
+        _, vjp = jax.vjp(lambda *a: forward(*a)[:2], K, V, beta, bb)
+        dK, dbeta, db = gdn_chunk.ut_backward(K, bb, beta, X, dW, dU @ V.T)
         dV = gdn_chunk.ut_backward_values(X, beta, dU, False)
-        for a, b, what in zip((dK, dV, dbeta), vjp((dW, dU)), ("dK", "dV", "dbeta")):
+        for a, b, what in zip((dK, dV, dbeta, db), vjp((dW, dU)), ("dK", "dV", "dbeta", "db")):
             assert_close(a, b, 1e-12, what)
 
 
 def test_walk_grads_are_the_vjp_of_a_chunk(rng):
     """One chunk of the walk with values ``V'`` (``O = diag(ρ) Q S + ((Q Kᵀ) ∘ Γ) V'``, ``S' =
     ρ_c S + (γ̄∘K)ᵀ V'``) in float64: ``walk_products`` over two value tiles and two key blocks,
-    then ``walk_grads``, give autodiff's ``dQ``, ``dK`` and the gate's per-token sums; ``dW =
-    −dV' Sᵀ``."""
+    then ``walk_grads``, give autodiff's ``dQ``, ``dK`` and, summed over the key blocks with
+    ``ρ_c⟨S, dS⟩`` at the last token, ``∂L/∂b``; ``dW = −dV' Sᵀ``."""
     from hla_jax.kernels import gdn_chunk, la_chunk
 
     c, d, dv = 16, 8, 6
@@ -199,10 +229,9 @@ def test_walk_grads_are_the_vjp_of_a_chunk(rng):
         Vn, dO, dVn = (jnp.asarray(rng.normal(size=(c, dv))) for _ in range(3))
         S, dS = (jnp.asarray(rng.normal(size=(d, dv))) for _ in range(2))
         bb = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.3, c)))
-        (O, S1), vjp = jax.vjp(lambda Q, K: la_chunk.chunk_forward(Q, K, Vn, bb, S), Q, K)
-        dQ_want, dK_want = vjp((dO, dS))
-        dQ_inter = jnp.exp(bb)[:, None] * (dO @ S.T)
-        dK_inter = jnp.exp(bb[-1] - bb)[:, None] * (Vn @ dS.T)
+        (O, S1), vjp = jax.vjp(lambda Q, K, bb: la_chunk.chunk_forward(Q, K, Vn, bb, S), Q, K, bb)
+        dQ_want, dK_want, db_want = vjp((dO, dS))
+        db = la_chunk.at_end(jnp.exp(bb[-1]) * jnp.sum(S * dS), c)
         for keys in (slice(0, 3), slice(3, d)):
             acc = [0.0] * 4
             for cols in (slice(0, 2), slice(2, dv)):
@@ -210,19 +239,17 @@ def test_walk_grads_are_the_vjp_of_a_chunk(rng):
                                                 S.T[cols, keys], dS.T[cols, keys])
                 acc = [a + x for a, x in zip(acc, share)]
             D, dOS, VdS, dW = acc
-            dQ, dK, qdq_inter, qdq, kdk_inter = gdn_chunk.walk_grads(Q[:, keys], K[:, keys], bb,
-                                                                     D, dOS, VdS)
+            dQ, dK, db_keys = gdn_chunk.walk_grads(Q[:, keys], K[:, keys], bb, D, dOS, VdS)
+            db = db + db_keys
             for a, b, what in ((dQ, dQ_want[:, keys], "dQ"), (dK, dK_want[:, keys], "dK"),
-                               (dW, -dVn @ S.T[:, keys], "dW"),
-                               (qdq_inter, jnp.sum(Q[:, keys] * dQ_inter[:, keys], 1), "q·dQ_inter"),
-                               (qdq, jnp.sum(Q[:, keys] * dQ_want[:, keys], 1), "q·dQ"),
-                               (kdk_inter, jnp.sum(K[:, keys] * dK_inter[:, keys], 1), "k·dK_inter")):
+                               (dW, -dVn @ S.T[:, keys], "dW")):
                 assert_close(a, b, 1e-12, what)
+        assert_close(db, db_want, 1e-12, "db")
 
 
 def test_products_by_key_blocks_equal_the_whole(rng):
-    """``gdn_grads.backward`` with ``kb=64`` (the default: two key blocks of d=128, their sums in
-    two shares) gives what one block of all the keys (``kb=None``) gives."""
+    """``gdn_grads.backward`` with ``kb=64`` (the default: two key blocks of d=128, the gate's
+    ``∂L/∂b`` in two shares) gives what one block of all the keys (``kb=None``) gives."""
     from hla_jax.kernels.gpu import gdn_grads
 
     B, Tp, H, d, dv = 1, 128, 1, 128, 64
@@ -234,16 +261,17 @@ def test_products_by_key_blocks_equal_the_whole(rng):
     b = b.reshape(B, H, Tp)   # the chunk-local cumulative log-decay
     whole = gdn_grads.backward(q, k, vn, do, ndvn, s, ds, b, kb=None, interpret=True)
     blocks = gdn_grads.backward(q, k, vn, do, ndvn, s, ds, b, kb=64, interpret=True)
-    names = ("dQ", "dK", "dW", "q·dQ_inter", "q·dQ", "k·dK_inter")
+    names = ("dQ", "dK", "dW", "db")
     for i, (a, b_, what) in enumerate(zip(whole, blocks, names)):
-        if i >= 3:   # the gate's sums, one share per key block
+        if i == 3:   # the gate's share, one per key block
             a, b_ = a.sum(0), b_.sum(0)
         assert_close(b_.astype(jnp.float32), a.astype(jnp.float32), 1e-5, what)
 
 
 def test_ut_backward_by_tiles_equals_the_whole(rng):
     """``gdn_ut.backward`` in tiles of 64 columns (the default: two key and two value tiles at
-    d=dv=128) gives what tiles of all 128 columns give, with and without the walks' ``dK``."""
+    d=dv=128) gives what tiles of all 128 columns give, with the walks' ``dK`` or ``w`` (for
+    ``w·dW``)."""
     from hla_jax.kernels.gpu import gdn_ut
 
     B, Tp, H, d, dv = 1, 128, 1, 128, 128
@@ -255,11 +283,12 @@ def test_ut_backward_by_tiles_equals_the_whole(rng):
     b = b.reshape(B, H, Tp)
     beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, H, Tp)), jnp.float32)
     x = gdn_ut.forward(k, v, b, beta, interpret=True)[2]
-    names = ("dk", "dv", "dbeta", "w·dw", "v·dv")
-    for walk in (dkw, None):
-        args = (k, v, w, b, beta, x, dw, du, walk)
-        whole = gdn_ut.backward(*args, kt=128, interpret=True)
-        tiles = gdn_ut.backward(*args, kt=64, interpret=True)
+    names = ("dk", "dv", "dbeta", "db", "w·dw", "v·dv")
+    args = (k, v, b, beta, x, dw, du)
+    for extra in (dict(dk_walk=dkw), dict(w=w)):
+        whole = gdn_ut.backward(*args, kt=128, interpret=True, **extra)
+        tiles = gdn_ut.backward(*args, kt=64, interpret=True, **extra)
+        assert len(whole) == len(tiles) == 4 + 2 * ("w" in extra)
         for a, b_, what in zip(whole, tiles, names):
             assert_close(b_.astype(jnp.float32), a.astype(jnp.float32), 1e-5, what)
 

@@ -17,12 +17,14 @@ each chunk), then chunk-parallel again: the walk's products (``dQ``, ``dK``'s wa
 (``kernels/tpu/gdn.py``, Mosaic; the same five steps on the same chunk math, ``gdn_chunk``) keeps
 its states ``[B,H,T/64,d,dv]`` in the inputs' dtype.
 
-The gate needs no walk of its own: in ``S̃_t = e^{−G_t} S_t`` (``G`` the cumulative log-decay) the
-recurrence reads ``S̃_t = (I − β k kᵀ) S̃_{t−1} + β k (e^{−G_t} v_t)ᵀ`` and ``o_t = S̃_tᵀ (e^{G_t} q_t)``,
-so ``∂L/∂G_t = q_t·∂L/∂q_t − v_t·∂L/∂v_t`` (plus ``⟨H_T, ∂L/∂H_T⟩`` at the last token) and
-``∂L/∂g_t = Σ_{t'≥t} ∂L/∂G_{t'}``; the part after ``t``'s chunk is one inner product at the
-chunk boundary, carried back from the end by per-chunk terms of the walks (``_gate_grad``), so
-16-bit noise does not add up over the sequence.
+The gate's gradient is taken in the chunk-local log-decays ``b`` (``∂L/∂g_t = Σ_{t'≥t}
+∂L/∂b_{t'}`` within the chunk, ``_gate_grad``): each place ``b`` enters a chunk gives a per-token
+share (``gdn_chunk``'s formulas), the pairwise decays ``Γ`` as float32 row sums minus column sums
+of one matrix of pair terms, so every pair cancels exactly in the cumulative sum, and the chunk's
+end decay ``ρ_c`` the inner product of the two states the walks keep.  (The identity
+``∂L/∂G_t = q·∂L/∂q − v·∂L/∂v`` in the global decays, with the part after each chunk carried back
+from the end, gave ``dg`` 2-9× the other gradients' error in bf16, growing with T:
+``experiments/gdn_gate_error.py``.)
 
 On a GPU it takes 16-bit ``q, k, v`` of one dtype with ``d ∈ {64, 128}`` and chunk 64 (Hopper's
 ``wgmma``); on a TPU bf16 or float32 of one dtype, any ``d``, chunk 64 (UNTESTED ON TPU
@@ -77,36 +79,33 @@ def _forward(q, k, v, beta, g, h0, interpret, platform):
 
 def _core_fwd(q, k, v, beta, g, h0, interpret, platform):
     o, hT, vn, s, w, x = _forward(q, k, v, beta, g, h0, interpret, platform)
-    return (o, hT), (q, k, v, beta, g, vn, s, w, x, hT)
+    return (o, hT), (q, k, v, beta, g, vn, s, w, x)
 
 
 def _core_bwd(interpret, platform, res, cts):
-    q, k, v, beta, g, vn, s, w, x, hT = res
+    q, k, v, beta, g, vn, s, w, x = res
     do, dhT = cts
     steps, b, beta_h = wrap.backend_module(platform, "gdn"), _local(g), _heads_first(beta)
     do = do.astype(q.dtype)
     du, ndu, ds, dh0 = steps.walk_rev(q, k, w, do, b, dhT, interpret=interpret)
-    dq, dk, dw, qdq_inter, qdq, kdk_inter = steps.grads(q, k, vn, do, ndu, s, ds, b,
-                                                        interpret=interpret)
-    dk, dv, dbeta, wdw, vdv = steps.ut_backward(k, v, w, b, beta_h, x, dw, du, dk,
-                                                interpret=interpret)
+    dq, dk, dw, db_walk = steps.grads(q, k, vn, do, ndu, s, ds, b, interpret=interpret)
+    dk, dv, dbeta, db_ut = steps.ut_backward(k, v, b, beta_h, x, dw, du, dk, interpret=interpret)
     return (dq, dk, dv, jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
-            _gate_grad(qdq - vdv, qdq_inter - kdk_inter + wdw, hT, dhT), dh0)
+            _gate_grad(db_walk + db_ut, s, ds, b), dh0)
 
 
-def _gate_grad(dG, local, hT, dhT):
-    """``∂L/∂g_t = Σ_{t'≥t} ∂L/∂G_{t'}`` (module docstring) from ``dG = q·∂L/∂q − v·∂L/∂v``
-    ``[B,H,Tp]`` per token, summed inside the chunk and taken exactly across it:
-    ``X_n = ⟨S_{n+1}, ∂L/∂S_{n+1}⟩`` (the state leaving chunk ``n``) obeys
-    ``X_{n−1} = X_n + Σ_{t∈n} (q·dq_inter + w·dw − k·dk_inter)_t`` from
-    ``X_{N−1} = ⟨H_T, ∂L/∂H_T⟩``; ``local [B,H,Tp]`` holds those per-token terms (the walks' and
-    the UT backward's sums)."""
-    B, H, Tp = dG.shape
-    local = local.reshape(B, H, Tp // C, C).sum(-1)
-    after = jnp.cumsum(local[..., ::-1], -1)[..., ::-1] - local                 # Σ_{m>n}
-    X = jnp.sum(hT * dhT, (-2, -1))[..., None] + after                          # [B,H,N]
-    dG = dG.reshape(B, H, Tp // C, C)
-    dg = jnp.cumsum(dG[..., ::-1], -1)[..., ::-1] + X[..., None]
+def _gate_grad(db, s, ds, b):
+    """``∂L/∂g [B,Tp,H]`` from the per-token shares ``db [B,H,Tp]`` of ``∂L/∂b`` (the walk's and
+    the UT transform's, ``gdn_chunk``), the walks' per-chunk states (``s`` entering each chunk,
+    ``ds`` the cotangent of the one leaving it, 16-bit, either backend's layout) and ``b``:
+    ``ρ_c⟨S, dS⟩`` joins each chunk's last token, then ``∂L/∂g_t = Σ_{t'≥t} ∂L/∂b_{t'}`` within
+    the chunk (``b`` is the chunk-local cumulative sum of ``g``)."""
+    B, H, Tp = db.shape
+    N = Tp // C
+    inner = jnp.sum(s.astype(F32) * ds.astype(F32), (-2, -1))                   # [B,H,N]
+    rho_c = jnp.exp(b.reshape(B, H, N, C)[..., -1])
+    db = db.reshape(B, H, N, C).at[..., -1].add(rho_c * inner)
+    dg = jnp.cumsum(db[..., ::-1], -1)[..., ::-1]
     return jnp.swapaxes(dg.reshape(B, H, Tp), 1, 2)
 
 

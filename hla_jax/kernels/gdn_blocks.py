@@ -56,8 +56,8 @@ def _ut_bwd(interpret, res, cts):
     eye = jnp.tile(jnp.eye(C, dtype=v.dtype), (Tp // C, 1))[None, :, None, :]
     v_ext = jnp.concatenate([v, jnp.broadcast_to(eye, (B, Tp, H, C))], -1)
     du_ext = jnp.concatenate([du.astype(F32), jnp.swapaxes(dt, 1, 2)], -1)
-    dk, dv, dbeta, wdw, vdv = gdn_ut.backward(k, v_ext, w, b, beta, x, dw, du_ext, None,
-                                              interpret=interpret)
+    dk, dv, dbeta, _, wdw, vdv = gdn_ut.backward(k, v_ext, b, beta, x, dw, du_ext, w=w,
+                                                 interpret=interpret)
     udu = jnp.swapaxes(jnp.sum(u.astype(F32) * du.astype(F32), -1), 1, 2) + jnp.sum(t * dt, -1)
     return dk, dv[..., :v.shape[-1]], wdw + udu - vdv, dbeta
 

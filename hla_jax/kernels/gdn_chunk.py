@@ -14,12 +14,16 @@ instead of full ``c×c`` products::
     W_i = Σ_{j≤i} X_ij (β∘ρ∘K)_j,   U_i = Σ_{j≤i} X_ij (β∘V)_j
 
 and keeps ``X`` for the backward, which takes it whole (``[c,c]``) and gives ``dK, dV, dβ``
-for ``b`` held fixed (the Gated DeltaNet kernel takes the gate's gradient from an identity,
-``kernels/gdn.py``)::
+and its share of ``∂L/∂b``::
 
     dT = dW (ρ∘K)ᵀ + dU Vᵀ,   dV = Tᵀ dU,   dβ_σ ⊇ Σ_τ X∘dT,   dX = dT diag(β)
     dA = strict_tril(−Xᵀ dX Xᵀ),   E = dA ∘ Γ,   dβ_τ ⊇ Σ_σ E∘(K Kᵀ)
     dK = ρ∘(Tᵀ dW) + (β∘E) K + (β∘E)ᵀ K
+    ∂L/∂b ⊇ k·(ρ∘(Tᵀ dW)) + rows(M) − cols(M),   M = (β∘E) ∘ (K Kᵀ)
+
+(``rows``/``cols``: row and column sums.  Each entry of ``M`` is one pair ``(τ, σ)``'s term,
+entering ``b_τ`` with ``+`` and ``b_σ`` with ``−`` (``Γ = e^{b_τ − b_σ}``), so in the gate's
+reverse cumulative sum the pairs cancel exactly, float32 for float32.)
 
 The walks over the chunks (``kernels/gpu/gdn_mgpu.py`` in Mosaic GPU; ``walk_forward`` and
 ``walk_backward`` here for the TPU's) read the delta-rule value from the state entering the chunk
@@ -32,6 +36,10 @@ and leave per chunk the products, given the state ``S`` entering the chunk and t
 ``dS`` of the one leaving it::
 
     D = dO V'ᵀ,   dQ = diag(ρ) dO Sᵀ + (D ∘ Γ) K,   dK = diag(γ̄) V' dSᵀ + (D ∘ Γ)ᵀ Q,   dW = −dV' Sᵀ
+    ∂L/∂b ⊇ q·(ρ∘dO Sᵀ) − k·(γ̄∘V' dSᵀ) + rows(M) − cols(M) + [Σ k·(γ̄∘V' dSᵀ) + ρ_c⟨S, dS⟩]_c
+    M = D ∘ Γ ∘ (Q Kᵀ)
+
+(``[·]_c`` at the chunk's last token; ``kernels/gdn.py`` adds the inner product of the states).
 
 Every product with ``X`` or ``T`` runs on float32 operands (TF32 for bf16 inputs: a bf16 ``T``
 costs the gate's gradient, which sums such errors over a chunk, about 10%); ``K Kᵀ`` and ``dT``
@@ -42,7 +50,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from hla_jax.kernels.la_chunk import chunk_forward, decays, dot
+from hla_jax.kernels.la_chunk import at_end, chunk_forward, decays, dot
 from hla_jax.kernels.loglinear_gdn_chunk import strict_lower, tri_dot, unit_lower_inverse
 
 
@@ -75,14 +83,15 @@ def ut_apply(X, Ys, fast: bool):
 
 
 def ut_backward(K, bb, beta, X, dW, dUV):
-    """``(dK [c,d], dβ [c])`` (float32, ``b`` fixed) of the UT transform from the forward's
-    ``X [c,c]`` float32, ``dW`` and ``dUV = dU Vᵀ [c,c]`` (summed over value tiles by the
-    caller): ``ut_backward_key_terms``, ``ut_backward_gram`` and ``ut_backward_keys`` on the whole
-    keys."""
+    """``(dK [c,d], dβ [c], ∂L/∂b [c])`` (float32; ``∂L/∂b`` the UT transform's share) from the
+    forward's ``X [c,c]`` float32, ``dW`` and ``dUV = dU Vᵀ [c,c]`` (summed over value tiles by
+    the caller): ``ut_backward_key_terms``, ``ut_backward_gram`` and ``ut_backward_keys`` on the
+    whole keys."""
     r = jnp.exp(bb)
     dTm, KK = ut_backward_key_terms(K, r, dW, dUV, 0.0)
-    bE, dbeta = ut_backward_gram(X, bb, beta, KK, dTm, K.dtype == jnp.bfloat16)
-    return ut_backward_keys(X, r, beta, bE, K, dW), dbeta
+    bE, dbeta, db = ut_backward_gram(X, bb, beta, KK, dTm, K.dtype == jnp.bfloat16)
+    dK, kdw = ut_backward_keys(X, r, beta, bE, K, dW)
+    return dK, dbeta, db + kdw
 
 
 def ut_backward_key_terms(K, r, dW, dTm, KK):
@@ -93,20 +102,25 @@ def ut_backward_key_terms(K, r, dW, dTm, KK):
 
 
 def ut_backward_gram(X, bb, beta, KK, dTm, fast: bool):
-    """``(β∘E [c,c], dβ [c])`` float32 from ``K Kᵀ`` and ``dT`` (``[c,c]``, either summed over
-    key and value tiles): ``E = strict_tril(−Xᵀ dX Xᵀ) ∘ Γ`` with ``dX = dT diag(β)``."""
+    """``(β∘E [c,c], dβ [c], rows(M) − cols(M) [c])`` float32 from ``K Kᵀ`` and ``dT``
+    (``[c,c]``, either summed over key and value tiles): ``E = strict_tril(−Xᵀ dX Xᵀ) ∘ Γ`` with
+    ``dX = dT diag(β)``, ``M = (β∘E) ∘ (K Kᵀ)`` (the inverse's share of ``∂L/∂b``)."""
     Gam = decays(bb)[3]
     dA = -tri_dot(tri_dot(X, dTm * beta[None, :], fast, ta=True), X, fast, tb=True)
     E = jnp.where(strict_lower(X.shape[0]), dA, 0.0) * Gam
-    return beta[:, None] * E, jnp.sum(X * dTm, axis=0) + jnp.sum(E * KK, axis=1)
+    bE = beta[:, None] * E
+    M = bE * KK
+    return bE, jnp.sum(X * dTm, axis=0) + jnp.sum(E * KK, axis=1), jnp.sum(M, 1) - jnp.sum(M, 0)
 
 
 def ut_backward_keys(X, r, beta, bE, K, dW):
-    """``dK = ρ∘(Tᵀ dW) + (β∘E) K + (β∘E)ᵀ K`` of one key tile ``K, dW [c,kt]`` (``r = ρ``),
-    float32."""
+    """``(dK, k·(ρ∘(Tᵀ dW)))`` of one key tile ``K, dW [c,kt]`` (``r = ρ``), float32:
+    ``dK = ρ∘(Tᵀ dW) + (β∘E) K + (β∘E)ᵀ K``; the per-token sum is ``W``'s share of ``∂L/∂b``
+    (``W = T (ρ∘K)``)."""
     dKK = bE.astype(K.dtype)
-    return (r[:, None] * tri_dot(X * beta[None, :], dW, K.dtype == jnp.bfloat16, ta=True)
-            + dot(dKK, K) + dot(dKK, K, ta=True))
+    dKW = r[:, None] * tri_dot(X * beta[None, :], dW, K.dtype == jnp.bfloat16, ta=True)
+    return (dKW + dot(dKK, K) + dot(dKK, K, ta=True),
+            jnp.sum(K.astype(dKW.dtype) * dKW, axis=1))
 
 
 def ut_backward_values(X, beta, dU, fast: bool):
@@ -140,12 +154,15 @@ def walk_products(dO, Vn, nDVn, sT, dsT):
 
 
 def walk_grads(Q, K, bb, D, dOS, VdS):
-    """``(dQ, dK, q·dQ_inter, q·dQ, k·dK_inter)`` of one chunk and block of keys (``Q, K
-    [c,kb]``) from the value-summed ``walk_products``; the per-token sums ``[c]`` are the gate's
-    terms (``kernels/gdn.py``), ``_inter`` the parts through the states."""
+    """``(dQ, dK, ∂L/∂b)`` of one chunk and block of keys (``Q, K [c,kb]``) from the
+    value-summed ``walk_products``: ``∂L/∂b [c]`` float32 is this block's share of the walk's
+    part (module docstring), without the states' inner product."""
     rho, _, gam, Gam, _ = decays(bb)
     P = (D * Gam).astype(K.dtype)
     dq_inter, dk_inter = rho[:, None] * dOS, gam[:, None] * VdS
     dQ, dK = dq_inter + dot(P, K), dk_inter + dot(P, Q, ta=True)
-    Qf, Kf = Q.astype(dQ.dtype), K.astype(dQ.dtype)
-    return dQ, dK, jnp.sum(Qf * dq_inter, 1), jnp.sum(Qf * dQ, 1), jnp.sum(Kf * dk_inter, 1)
+    M = D * Gam * dot(Q, K, tb=True)
+    kdk = jnp.sum(K.astype(dK.dtype) * dk_inter, 1)
+    db = (jnp.sum(Q.astype(dQ.dtype) * dq_inter, 1) - kdk + jnp.sum(M, 1) - jnp.sum(M, 0)
+          + at_end(jnp.sum(kdk), Q.shape[0]))
+    return dQ, dK, db

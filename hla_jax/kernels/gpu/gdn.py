@@ -9,8 +9,8 @@ float32; the rest backend-owned, passed between the steps):
     ut_forward(k, v, b, beta)                       -> W, U, X
     walk_out(q, k, w, u, b, h0)                     -> O, H_T, V', S per chunk
     walk_rev(q, k, w, dO, b, dH_T)                  -> dU, −dV', dS per chunk, dH0
-    grads(q, k, V', dO, −dV', S, dS, b)             -> dQ, dK_walk, dW, q·dQ_inter, q·dQ, k·dK_inter
-    ut_backward(k, v, w, b, beta, X, dW, dU, dK_walk) -> dK, dV, dβ, w·dW, v·dV
+    grads(q, k, V', dO, −dV', S, dS, b)             -> dQ, dK_walk, dW, ∂L/∂b (the walk's share)
+    ut_backward(k, v, b, beta, X, dW, dU, dK_walk)  -> dK, dV, dβ, ∂L/∂b (the UT's share)
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def walk_rev(q, k, w, do, b, dhT, *, interpret):
 
 
 def grads(q, k, vn, do, ndu, s, ds, b, *, interpret):
-    dq, dk, dw, *sums = gdn_grads.backward(q, k, vn, do, ndu, s, ds, b, interpret=interpret)
-    return (dq, dk, dw, *(x.sum(0) for x in sums))   # the key blocks' shares
+    dq, dk, dw, db = gdn_grads.backward(q, k, vn, do, ndu, s, ds, b, interpret=interpret)
+    return dq, dk, dw, db.sum(0)   # the key blocks' shares
 
 
-def ut_backward(k, v, w, b, beta, x, dw, du, dk, *, interpret):
-    return gdn_ut.backward(k, v, w, b, beta, x, dw, du, dk, interpret=interpret)
+def ut_backward(k, v, b, beta, x, dw, du, dk, *, interpret):
+    return gdn_ut.backward(k, v, b, beta, x, dw, du, dk_walk=dk, interpret=interpret)

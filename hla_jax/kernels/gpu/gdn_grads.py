@@ -29,18 +29,18 @@ from hla_jax.kernels.la_chunk import F32
 
 @functools.partial(jax.jit, static_argnames=("c", "kb", "num_warps", "interpret"))
 def backward(q, k, vn, do, ndvn, s, ds, b, *, c=64, kb=64, num_warps=4, interpret=False):
-    """``(dQ, dK, dW, q·dQ_inter, q·dQ, k·dK_inter)``: ``dQ``, ``dK`` (the walks' part) and ``dW``
+    """``(dQ, dK, dW, db)``: ``dQ``, ``dK`` (the walks' part) and ``dW``
     ``[B,Tp,H,d]`` in ``q``'s dtype (16-bit: half the float32 traffic to ``gdn_ut.backward``,
-    which adds this ``dK`` to its own part and multiplies ``dW`` by 16-bit keys), the
-    per-token sums ``[d/kb,B,H,Tp]`` float32 in one share per key block (the gate's terms,
-    ``kernels/gdn.py``)."""
+    which adds this ``dK`` to its own part and multiplies ``dW`` by 16-bit keys), and ``db
+    [d/kb,B,H,Tp]`` float32, the walk's share of ``∂L/∂b`` in one share per key block
+    (``gdn_chunk.walk_grads``)."""
     B, Tp, H, d = q.shape
     kb = min(kb or d, d)
     if d % kb:
         raise ValueError(f"gdn_grads.backward: kb={kb} must divide the head dim d={d} of q [B,T,H,d]")
 
     def kernel(q_ref, k_ref, vn_ref, do_ref, ndvn_ref, s_ref, ds_ref, b_ref,
-               dq_ref, dk_ref, dw_ref, qdqi_ref, qdq_ref, kdki_ref):
+               dq_ref, dk_ref, dw_ref, db_ref):
         i, h, n, j = (pl.program_id(a) for a in range(4))
         ts, keys = _rows(c), pl.ds(pl.multiple_of(j * kb, kb), kb)
 
@@ -52,16 +52,14 @@ def backward(q, k, vn, do, ndvn, s, ds, b, *, c=64, kb=64, num_warps=4, interpre
 
         D, dOS, VdS, dW = _over_value_tiles(vn.shape[-1], value_tile,
                                             (jnp.zeros((c, c), F32),) + 3 * (jnp.zeros((c, kb), F32),))
-        dQ, dK, *sums = gdn_chunk.walk_grads(q_ref[i, ts, h, keys], k_ref[i, ts, h, keys],
-                                             b_ref[i, h, ts], D, dOS, VdS)
+        dQ, dK, db_ref[j, i, h, ts] = gdn_chunk.walk_grads(
+            q_ref[i, ts, h, keys], k_ref[i, ts, h, keys], b_ref[i, h, ts], D, dOS, VdS)
         dq_ref[i, ts, h, keys] = dQ.astype(dq_ref.dtype)
         dk_ref[i, ts, h, keys] = dK.astype(dk_ref.dtype)
         dw_ref[i, ts, h, keys] = dW.astype(dw_ref.dtype)
-        for ref, x in zip((qdqi_ref, qdq_ref, kdki_ref), sums):
-            ref[j, i, h, ts] = x
 
-    per_token = jax.ShapeDtypeStruct((d // kb, B, H, Tp), F32)
-    out_shape = 3 * [jax.ShapeDtypeStruct(q.shape, q.dtype)] + [per_token, per_token, per_token]
+    per_token = jax.ShapeDtypeStruct((d // kb, B, H, Tp), F32)   # one share per key block
+    out_shape = 3 * [jax.ShapeDtypeStruct(q.shape, q.dtype)] + [per_token]
     return tuple(pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, Tp // c, d // kb),
                                 compiler_params=compiler_params(num_warps, interpret),
                                 interpret=interpret)(q, k, vn, do, ndvn, s, ds, b))

@@ -117,22 +117,21 @@ def walk_rev(q, k, w, do, b, dhT, *, interpret):
 
 
 def grads(q, k, vn, do, ndu, s, ds, b, *, interpret):
-    """``(dQ [B,Tp,H,d] in q's dtype, dK_walk, dW [B,H,Tp,d] float32, q·dQ_inter, q·dQ,
-    k·dK_inter [B,H,Tp])``, every chunk at once."""
+    """``(dQ [B,Tp,H,d] in q's dtype, dK_walk, dW [B,H,Tp,d] float32, ∂L/∂b [B,H,Tp])`` (the
+    walk's share, ``gdn_chunk.walk_grads``), every chunk at once."""
     B, Tp, H, d = q.shape
     dv, N = vn.shape[-1], Tp // C
     tile, gate = _specs(C, N)
     _, s_block = _states(B, H, N, d, dv, q.dtype, lambda n: n)
-    rows_shape, rows_block = _rows_out(B, H, N, 3)
+    rows_shape, rows_block = _rows_out(B, H, N, 1)
 
     def kernel(q_ref, k_ref, vn_ref, do_ref, nd_ref, s_ref, ds_ref, b_ref,
                dq_ref, dk_ref, dw_ref, sums_ref):
         D, dOS, VdS, dw_ref[...] = gdn_chunk.walk_products(
             do_ref[...], vn_ref[...], nd_ref[...], s_ref[...].T, ds_ref[...].T)
-        dQ, dk_ref[...], *sums = gdn_chunk.walk_grads(q_ref[...], k_ref[...], b_ref[0], D, dOS, VdS)
+        dQ, dk_ref[...], db = gdn_chunk.walk_grads(q_ref[...], k_ref[...], b_ref[0], D, dOS, VdS)
         dq_ref[...] = dQ.astype(dq_ref.dtype)
-        for m, x in enumerate(sums):
-            sums_ref[pl.ds(m, 1), :] = x[None, :]
+        sums_ref[pl.ds(0, 1), :] = db[None, :]
 
     shape = lambda dt: jax.ShapeDtypeStruct((B, H, Tp, d), dt)  # noqa: E731
     dq, dk, dw, sums = _call(
@@ -141,35 +140,36 @@ def grads(q, k, vn, do, ndu, s, ds, b, *, interpret):
         [tile(d), tile(d), tile(d), rows_block], (B, H, N), False, interpret,
         heads_first(q), heads_first(k), vn, heads_first(do), ndu, s, ds,
         _by_chunk(b[:, :, None], C))
-    return (heads_first(dq), dk, dw, *jnp.unstack(_from_chunks(sums), axis=2))
+    return heads_first(dq), dk, dw, _from_chunks(sums)[:, :, 0]
 
 
-def ut_backward(k, v, w, b, beta, x, dw, du, dk, *, interpret):
-    """``(dK [B,Tp,H,d] in k's dtype (the walk's part added), dV in v's, dβ, w·dW, v·dV
-    [B,H,Tp])`` from the forward's ``w``, ``x`` and the cotangents ``dw, du`` and ``dk`` (the
-    walk's part), every chunk at once."""
+def ut_backward(k, v, b, beta, x, dw, du, dk, *, interpret):
+    """``(dK [B,Tp,H,d] in k's dtype (the walk's part added), dV in v's, dβ, ∂L/∂b [B,H,Tp])``
+    (the UT transform's share) from the forward's ``x`` and the cotangents ``dw, du`` and ``dk``
+    (the walk's part), every chunk at once."""
     B, Tp, H, d = k.shape
     dv, N = v.shape[-1], Tp // C
     tile, gate = _specs(C, N)
-    rows_shape, rows_block = _rows_out(B, H, N, 3)
+    rows_shape, rows_block = _rows_out(B, H, N, 2)
 
-    def kernel(k_ref, v_ref, w_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref, dkw_ref,
+    def kernel(k_ref, v_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref, dkw_ref,
                dk_ref, dv_ref, rows_ref):
         K, V, X, bt, dU, dW = (k_ref[...], v_ref[...], x_ref[...], beta_ref[0], du_ref[...],
                                dw_ref[...])
         fast = K.dtype == jnp.bfloat16
         dV = gdn_chunk.ut_backward_values(X, bt, dU, fast)
-        dK, dbeta = gdn_chunk.ut_backward(K, b_ref[0], bt, X, dW, dot(dU.astype(K.dtype), V, tb=True))
+        dK, dbeta, db = gdn_chunk.ut_backward(K, b_ref[0], bt, X, dW,
+                                              dot(dU.astype(K.dtype), V, tb=True))
         dk_ref[...], dv_ref[...] = (dK + dkw_ref[...]).astype(dk_ref.dtype), dV.astype(dv_ref.dtype)
-        rows = (dbeta, jnp.sum(w_ref[...].astype(F32) * dW, 1), jnp.sum(V.astype(F32) * dV, 1))
+        rows = (dbeta, db)
         for m, r in enumerate(rows):
             rows_ref[pl.ds(m, 1), :] = r[None, :]
 
     dk_, dv_, rows = _call(
         kernel, [jax.ShapeDtypeStruct((B, H, Tp, d), k.dtype),
                  jax.ShapeDtypeStruct((B, H, Tp, dv), v.dtype), rows_shape],
-        [tile(d), tile(dv), tile(d), gate, gate, tile(C), tile(d), tile(dv), tile(d)],
+        [tile(d), tile(dv), gate, gate, tile(C), tile(d), tile(dv), tile(d)],
         [tile(d), tile(dv), rows_block], (B, H, N), False, interpret,
-        heads_first(k), heads_first(v), w, _by_chunk(b[:, :, None], C),
+        heads_first(k), heads_first(v), _by_chunk(b[:, :, None], C),
         _by_chunk(beta[:, :, None], C), x, dw, du, dk)
     return (heads_first(dk_), heads_first(dv_), *jnp.unstack(_from_chunks(rows), axis=2))
