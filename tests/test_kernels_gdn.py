@@ -219,8 +219,8 @@ def test_ut_backward_is_the_vjp_of_ut_forward(rng, cb):
 def test_walk_grads_are_the_vjp_of_a_chunk(rng):
     """One chunk of the walk with values ``V'`` (``O = diag(ρ) Q S + ((Q Kᵀ) ∘ Γ) V'``, ``S' =
     ρ_c S + (γ̄∘K)ᵀ V'``) in float64: ``walk_products`` over two value tiles and two key blocks,
-    then ``walk_grads``, give autodiff's ``dQ``, ``dK`` and, summed over the key blocks with
-    ``ρ_c⟨S, dS⟩`` at the last token, ``∂L/∂b``; ``dW = −dV' Sᵀ``."""
+    then ``walk_grads``, give autodiff's ``dQ``, ``dK`` and, summed over the key blocks,
+    ``∂L/∂b`` (``ρ_c⟨S, dS⟩`` at the last token included); ``dW = −dV' Sᵀ``."""
     from hla_jax.kernels import gdn_chunk, la_chunk
 
     c, d, dv = 16, 8, 6
@@ -231,15 +231,15 @@ def test_walk_grads_are_the_vjp_of_a_chunk(rng):
         bb = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.3, c)))
         (O, S1), vjp = jax.vjp(lambda Q, K, bb: la_chunk.chunk_forward(Q, K, Vn, bb, S), Q, K, bb)
         dQ_want, dK_want, db_want = vjp((dO, dS))
-        db = la_chunk.at_end(jnp.exp(bb[-1]) * jnp.sum(S * dS), c)
+        db = 0.0
         for keys in (slice(0, 3), slice(3, d)):
-            acc = [0.0] * 4
+            acc = [0.0] * 5
             for cols in (slice(0, 2), slice(2, dv)):
                 share = gdn_chunk.walk_products(dO[:, cols], Vn[:, cols], -dVn[:, cols],
                                                 S.T[cols, keys], dS.T[cols, keys])
                 acc = [a + x for a, x in zip(acc, share)]
-            D, dOS, VdS, dW = acc
-            dQ, dK, db_keys = gdn_chunk.walk_grads(Q[:, keys], K[:, keys], bb, D, dOS, VdS)
+            D, dOS, VdS, dW, SdS = acc
+            dQ, dK, db_keys = gdn_chunk.walk_grads(Q[:, keys], K[:, keys], bb, D, dOS, VdS, SdS)
             db = db + db_keys
             for a, b, what in ((dQ, dQ_want[:, keys], "dQ"), (dK, dK_want[:, keys], "dK"),
                                (dW, -dVn @ S.T[:, keys], "dW")):

@@ -21,7 +21,8 @@ The gate's gradient is taken in the chunk-local log-decays ``b`` (``∂L/∂g_t 
 ∂L/∂b_{t'}`` within the chunk, ``_gate_grad``): each place ``b`` enters a chunk gives a per-token
 share (``gdn_chunk``'s formulas), the pairwise decays ``Γ`` as float32 row sums minus column sums
 of one matrix of pair terms, so every pair cancels exactly in the cumulative sum, and the chunk's
-end decay ``ρ_c`` the inner product of the two states the walks keep.  (The identity
+end decay ``ρ_c`` the inner product of the two states the walks keep (taken in the products
+kernel, which reads both).  (The identity
 ``∂L/∂G_t = q·∂L/∂q − v·∂L/∂v`` in the global decays, with the part after each chunk carried back
 from the end, gave ``dg`` 2-9× the other gradients' error in bf16, growing with T:
 ``experiments/gdn_gate_error.py``.)
@@ -91,20 +92,15 @@ def _core_bwd(interpret, platform, res, cts):
     dq, dk, dw, db_walk = steps.grads(q, k, vn, do, ndu, s, ds, b, interpret=interpret)
     dk, dv, dbeta, db_ut = steps.ut_backward(k, v, b, beta_h, x, dw, du, dk, interpret=interpret)
     return (dq, dk, dv, jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
-            _gate_grad(db_walk + db_ut, s, ds, b), dh0)
+            _gate_grad(db_walk + db_ut), dh0)
 
 
-def _gate_grad(db, s, ds, b):
+def _gate_grad(db):
     """``∂L/∂g [B,Tp,H]`` from the per-token shares ``db [B,H,Tp]`` of ``∂L/∂b`` (the walk's and
-    the UT transform's, ``gdn_chunk``), the walks' per-chunk states (``s`` entering each chunk,
-    ``ds`` the cotangent of the one leaving it, 16-bit, either backend's layout) and ``b``:
-    ``ρ_c⟨S, dS⟩`` joins each chunk's last token, then ``∂L/∂g_t = Σ_{t'≥t} ∂L/∂b_{t'}`` within
-    the chunk (``b`` is the chunk-local cumulative sum of ``g``)."""
+    the UT transform's, ``gdn_chunk``): ``∂L/∂g_t = Σ_{t'≥t} ∂L/∂b_{t'}`` within the chunk
+    (``b`` is the chunk-local cumulative sum of ``g``)."""
     B, H, Tp = db.shape
-    N = Tp // C
-    inner = jnp.sum(s.astype(F32) * ds.astype(F32), (-2, -1))                   # [B,H,N]
-    rho_c = jnp.exp(b.reshape(B, H, N, C)[..., -1])
-    db = db.reshape(B, H, N, C).at[..., -1].add(rho_c * inner)
+    db = db.reshape(B, H, Tp // C, C)
     dg = jnp.cumsum(db[..., ::-1], -1)[..., ::-1]
     return jnp.swapaxes(dg.reshape(B, H, Tp), 1, 2)
 

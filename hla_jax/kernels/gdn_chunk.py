@@ -39,7 +39,7 @@ and leave per chunk the products, given the state ``S`` entering the chunk and t
     ∂L/∂b ⊇ q·(ρ∘dO Sᵀ) − k·(γ̄∘V' dSᵀ) + rows(M) − cols(M) + [Σ k·(γ̄∘V' dSᵀ) + ρ_c⟨S, dS⟩]_c
     M = D ∘ Γ ∘ (Q Kᵀ)
 
-(``[·]_c`` at the chunk's last token; ``kernels/gdn.py`` adds the inner product of the states).
+(``[·]_c`` at the chunk's last token; each block of keys and value tile adds its share).
 
 Every product with ``X`` or ``T`` runs on float32 operands (TF32 for bf16 inputs: a bf16 ``T``
 costs the gate's gradient, which sums such errors over a chunk, about 10%); ``K Kᵀ`` and ``dT``
@@ -147,22 +147,24 @@ def walk_backward(Q, K, W, dO, bb, dS):
 
 
 def walk_products(dO, Vn, nDVn, sT, dsT):
-    """One value tile's share ``(D, dO Sᵀ, V' dSᵀ, dW)`` of the walk's products (module
-    docstring) from ``dO, V', −dV' [c,bv]`` and the transposed states ``Sᵀ, dSᵀ [bv,kb]`` (a
-    block of ``kb`` keys); float32, operands in the inputs' dtype."""
-    return dot(dO, Vn, tb=True), dot(dO, sT), dot(Vn, dsT), dot(nDVn, sT)
+    """One value tile's share ``(D, dO Sᵀ, V' dSᵀ, dW, ⟨S, dS⟩)`` of the walk's products
+    (module docstring) from ``dO, V', −dV' [c,bv]`` and the transposed states ``Sᵀ, dSᵀ
+    [bv,kb]`` (a block of ``kb`` keys); float32, operands in the inputs' dtype."""
+    acc = jnp.promote_types(sT.dtype, jnp.float32)
+    inner = jnp.sum(jnp.sum(sT.astype(acc) * dsT.astype(acc), 1))
+    return dot(dO, Vn, tb=True), dot(dO, sT), dot(Vn, dsT), dot(nDVn, sT), inner
 
 
-def walk_grads(Q, K, bb, D, dOS, VdS):
+def walk_grads(Q, K, bb, D, dOS, VdS, SdS):
     """``(dQ, dK, ∂L/∂b)`` of one chunk and block of keys (``Q, K [c,kb]``) from the
     value-summed ``walk_products``: ``∂L/∂b [c]`` float32 is this block's share of the walk's
-    part (module docstring), without the states' inner product."""
-    rho, _, gam, Gam, _ = decays(bb)
+    part (module docstring), the states' inner product ``SdS`` over the block included."""
+    rho, rho_c, gam, Gam, _ = decays(bb)
     P = (D * Gam).astype(K.dtype)
     dq_inter, dk_inter = rho[:, None] * dOS, gam[:, None] * VdS
     dQ, dK = dq_inter + dot(P, K), dk_inter + dot(P, Q, ta=True)
     M = D * Gam * dot(Q, K, tb=True)
     kdk = jnp.sum(K.astype(dK.dtype) * dk_inter, 1)
     db = (jnp.sum(Q.astype(dQ.dtype) * dq_inter, 1) - kdk + jnp.sum(M, 1) - jnp.sum(M, 0)
-          + at_end(jnp.sum(kdk), Q.shape[0]))
+          + at_end(jnp.sum(kdk) + rho_c * SdS, Q.shape[0]))
     return dQ, dK, db

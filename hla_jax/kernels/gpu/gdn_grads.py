@@ -33,7 +33,7 @@ def backward(q, k, vn, do, ndvn, s, ds, b, *, c=64, kb=64, num_warps=4, interpre
     ``[B,Tp,H,d]`` in ``q``'s dtype (16-bit: half the float32 traffic to ``gdn_ut.backward``,
     which adds this ``dK`` to its own part and multiplies ``dW`` by 16-bit keys), and ``db
     [d/kb,B,H,Tp]`` float32, the walk's share of ``∂L/∂b`` in one share per key block
-    (``gdn_chunk.walk_grads``)."""
+    (``gdn_chunk.walk_grads``, the states' inner product at each chunk's end included)."""
     B, Tp, H, d = q.shape
     kb = min(kb or d, d)
     if d % kb:
@@ -50,10 +50,11 @@ def backward(q, k, vn, do, ndvn, s, ds, b, *, c=64, kb=64, num_warps=4, interpre
                                             ds_ref[i, h, n, cols, keys])
             return tuple(a + x for a, x in zip(acc, share))
 
-        D, dOS, VdS, dW = _over_value_tiles(vn.shape[-1], value_tile,
-                                            (jnp.zeros((c, c), F32),) + 3 * (jnp.zeros((c, kb), F32),))
+        D, dOS, VdS, dW, SdS = _over_value_tiles(
+            vn.shape[-1], value_tile,
+            (jnp.zeros((c, c), F32),) + 3 * (jnp.zeros((c, kb), F32),) + (jnp.zeros((), F32),))
         dQ, dK, db_ref[j, i, h, ts] = gdn_chunk.walk_grads(
-            q_ref[i, ts, h, keys], k_ref[i, ts, h, keys], b_ref[i, h, ts], D, dOS, VdS)
+            q_ref[i, ts, h, keys], k_ref[i, ts, h, keys], b_ref[i, h, ts], D, dOS, VdS, SdS)
         dq_ref[i, ts, h, keys] = dQ.astype(dq_ref.dtype)
         dk_ref[i, ts, h, keys] = dK.astype(dk_ref.dtype)
         dw_ref[i, ts, h, keys] = dW.astype(dw_ref.dtype)

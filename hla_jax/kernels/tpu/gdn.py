@@ -127,9 +127,10 @@ def grads(q, k, vn, do, ndu, s, ds, b, *, interpret):
 
     def kernel(q_ref, k_ref, vn_ref, do_ref, nd_ref, s_ref, ds_ref, b_ref,
                dq_ref, dk_ref, dw_ref, sums_ref):
-        D, dOS, VdS, dw_ref[...] = gdn_chunk.walk_products(
+        D, dOS, VdS, dw_ref[...], SdS = gdn_chunk.walk_products(
             do_ref[...], vn_ref[...], nd_ref[...], s_ref[...].T, ds_ref[...].T)
-        dQ, dk_ref[...], db = gdn_chunk.walk_grads(q_ref[...], k_ref[...], b_ref[0], D, dOS, VdS)
+        dQ, dk_ref[...], db = gdn_chunk.walk_grads(q_ref[...], k_ref[...], b_ref[0], D, dOS, VdS,
+                                                   SdS)
         dq_ref[...] = dQ.astype(dq_ref.dtype)
         sums_ref[pl.ds(0, 1), :] = db[None, :]
 
