@@ -12,7 +12,6 @@ Writes ``<out>/<name>.json`` and a markdown table ``<name>.md`` (one row per T).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import sys
@@ -24,6 +23,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import check_kernels_gpu as ck  # noqa: E402
+from experiments.bench_kernels import micro_write  # noqa: E402
+from experiments.common import markdown_table  # noqa: E402
 
 
 def main(argv=None):
@@ -33,7 +34,7 @@ def main(argv=None):
     p.add_argument("--name", default=None, help="default: gdn_gate_error_<backend>_<gate>")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args(argv)
-    name = a.name or f"gdn_gate_error_{jax.default_backend()}_{a.gate}"
+    a.name = a.name or f"gdn_gate_error_{jax.default_backend()}_{a.gate}"
     rows = []
     for T in (int(t) for t in a.T.split(",")):
         case = ck.Case(kernel="gated_deltanet", B=2, T=T, H=1, d=128, dv=128, gate=a.gate,
@@ -45,17 +46,13 @@ def main(argv=None):
         print(f"T={T}: " + " ".join(f"{k}={v:.2e}" for k, v in rows[-1]["rel"].items()), flush=True)
     res = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), gate=a.gate,
                case="gated_deltanet B=2 H=1 d=dv=128 bf16, from an initial state", rows=rows)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"{name}.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    micro_write(a, res)
     names = list(rows[0]["rel"])
-    table = [f"{res['device']} ({res['backend']}), {res['case']}, gate={a.gate}; relative error "
-             "against the float64 recurrence", "",
-             "| T | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    table += [f"| {r['T']} | " + " | ".join(f"{r['rel'][n]:.2e}" for n in names) + " |"
-              for r in rows]
-    with open(os.path.join(a.out, f"{name}.md"), "w") as f:
-        f.write("\n".join(table) + "\n")
+    table = markdown_table(["T", *names],
+                           [[r["T"], *(f"{r['rel'][n]:.2e}" for n in names)] for r in rows])
+    with open(os.path.join(a.out, f"{a.name}.md"), "w") as f:
+        f.write(f"{res['device']} ({res['backend']}), {res['case']}, gate={a.gate}; relative "
+                f"error against the float64 recurrence\n\n{table}\n")
     return res
 
 

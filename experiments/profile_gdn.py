@@ -73,12 +73,12 @@ def summary(path: str) -> str:
     if len(ours) != len(STEPS):
         raise ValueError(f"profile_gdn: expected {len(STEPS)} kernels of ours in {path}, found "
                          f"{len(ours)}: {[names[i] for i in ours]}")
-    lines = ["| step | kernel | " + " | ".join(h for _, h, _ in METRICS) + " |",
-             "|---|---|" + "---|" * len(METRICS)]
-    for step, i in zip(STEPS, ours):
-        cells = [_number(float(by_id[i][m]) * s) if m in by_id[i] else "–" for m, _, s in METRICS]
-        lines.append(f"| {step} | {names[i]} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    from experiments.common import markdown_table
+
+    return markdown_table(
+        ["step", "kernel", *(h for _, h, _ in METRICS)],
+        [[step, names[i], *(_number(float(by_id[i][m]) * s) if m in by_id[i] else "–"
+                            for m, _, s in METRICS)] for step, i in zip(STEPS, ours)])
 
 
 def main(argv=None):
