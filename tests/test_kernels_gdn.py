@@ -270,25 +270,26 @@ def test_products_by_key_blocks_equal_the_whole(rng):
 
 def test_ut_backward_by_tiles_equals_the_whole(rng):
     """``gdn_ut.backward`` in tiles of 64 columns (the default: two key and two value tiles at
-    d=dv=128) gives what tiles of all 128 columns give, with the walks' ``dK`` or ``w`` (for
-    ``w·dW``)."""
+    d=dv=128) gives what tiles of all 128 columns give, with the walks' ``dK`` or ``T``'s own
+    cotangent ``dt``."""
     from hla_jax.kernels.gpu import gdn_ut
 
     B, Tp, H, d, dv = 1, 128, 1, 128, 128
     bf = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)  # noqa: E731
     k = bf(B, Tp, H, d) / jnp.sqrt(d).astype(jnp.bfloat16)
-    v, w, dw, dkw = bf(B, Tp, H, dv), bf(B, Tp, H, d), bf(B, Tp, H, d), bf(B, Tp, H, d)
+    v, dw, dkw = bf(B, Tp, H, dv), bf(B, Tp, H, d), bf(B, Tp, H, d)
     du = jnp.asarray(rng.normal(size=(B, Tp, H, dv)), jnp.float32)
+    dt = jnp.asarray(rng.normal(size=(B, H, Tp, 64)), jnp.float32)
     b = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.1, (B, H, 2, 64)), jnp.float32), -1)
     b = b.reshape(B, H, Tp)
     beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, H, Tp)), jnp.float32)
     x = gdn_ut.forward(k, v, b, beta, interpret=True)[2]
-    names = ("dk", "dv", "dbeta", "db", "w·dw", "v·dv")
+    names = ("dk", "dv", "dbeta", "db")
     args = (k, v, b, beta, x, dw, du)
-    for extra in (dict(dk_walk=dkw), dict(w=w)):
+    for extra in (dict(dk_walk=dkw), dict(dt=dt)):
         whole = gdn_ut.backward(*args, kt=128, interpret=True, **extra)
         tiles = gdn_ut.backward(*args, kt=64, interpret=True, **extra)
-        assert len(whole) == len(tiles) == 4 + 2 * ("w" in extra)
+        # dk and dv are 16-bit: a float32 sum taken in another order can flip their rounding
         for a, b_, what in zip(whole, tiles, names):
-            assert_close(b_.astype(jnp.float32), a.astype(jnp.float32), 1e-5, what)
+            assert_close(b_.astype(jnp.float32), a.astype(jnp.float32), 2e-4, what)
 

@@ -11,12 +11,8 @@ floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``
 
 (as ``loglinear_chunked.delta_terms`` in XLA, whose autodiff is ``gdn_terms``' backward: a
 Triton backward of its own, one program per chunk, was slower on the H200).  The UT kernel's
-backward takes ``dW`` and ``dU`` for ``b`` held fixed.  ``T``'s own cotangent ``dT`` (from
-``M``) enters as ``C`` more value columns: ``T = T I``, so the backward runs on
-``V_ext = [V | I]`` with ``dU_ext = [dU | dT]``.  The gate's part follows from
-``T = D_ρ T₀ D_ρ⁻¹`` (``T₀`` gate-free): ``W_τ = ρ_τ (T₀K)_τ`` and ``U = D_ρ T₀ D_ρ⁻¹ V``, so
-``∂L/∂b = w·dW + u·dU − v·dV`` per token, over ``V_ext``'s columns (``w·dW`` and ``v·dV`` are
-sums the kernel already returns).
+backward takes ``dW``, ``dU`` and ``T``'s own cotangent ``dT`` (from ``M``), which adds to the
+``dT = dW (ρ∘K)ᵀ + dU Vᵀ`` it forms, and gives the UT transform's whole share of ``∂L/∂b``.
 """
 
 from __future__ import annotations
@@ -46,20 +42,14 @@ def _ut_fwd(k, v, b, beta, interpret):
     w, u, x = gdn_ut.forward(k, v, b, beta, interpret=interpret)
     B, H, Tp = b.shape
     t = (x.reshape(B, H, Tp // C, C, C) * beta.reshape(B, H, Tp // C, 1, C)).reshape(B, H, Tp, C)
-    return (w, u, t), (k, v, b, beta, w, u, x, t)
+    return (w, u, t), (k, v, b, beta, x)
 
 
 def _ut_bwd(interpret, res, cts):
-    k, v, b, beta, w, u, x, t = res
+    k, v, b, beta, x = res
     dw, du, dt = cts
-    B, Tp, H, _ = k.shape
-    eye = jnp.tile(jnp.eye(C, dtype=v.dtype), (Tp // C, 1))[None, :, None, :]
-    v_ext = jnp.concatenate([v, jnp.broadcast_to(eye, (B, Tp, H, C))], -1)
-    du_ext = jnp.concatenate([du.astype(F32), jnp.swapaxes(dt, 1, 2)], -1)
-    dk, dv, dbeta, _, wdw, vdv = gdn_ut.backward(k, v_ext, b, beta, x, dw, du_ext, w=w,
-                                                 interpret=interpret)
-    udu = jnp.swapaxes(jnp.sum(u.astype(F32) * du.astype(F32), -1), 1, 2) + jnp.sum(t * dt, -1)
-    return dk, dv[..., :v.shape[-1]], wdw + udu - vdv, dbeta
+    dk, dv, dbeta, db = gdn_ut.backward(k, v, b, beta, x, dw, du, dt=dt, interpret=interpret)
+    return dk, dv, db, dbeta
 
 
 ut.defvjp(_ut_fwd, _ut_bwd)

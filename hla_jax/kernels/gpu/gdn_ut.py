@@ -7,7 +7,7 @@ of two >= 16 and ``dv`` a multiple of 64 (the caller pads), taken 128 (or 64) co
 ``forward`` gives ``W [B,Tp,H,d]`` and ``U [B,Tp,H,dv]`` in the input dtype and the inverse
 ``X = (I + A)⁻¹ [B,H,Tp,c]`` float32 (working on row blocks of ``cb`` tokens), ``backward`` from
 that ``X`` the cotangents ``dk, dv, dbeta`` for ``b`` held fixed (``dk`` with the walks' part
-added) and its share of the gate's gradient (and the sums ``w·dW``, ``v·dV`` when given ``w``).
+added) and its share of the gate's gradient.
 """
 
 from __future__ import annotations
@@ -89,47 +89,40 @@ def forward(k, v, b, beta, *, c=64, cb=32, num_warps=4, interpret=False):
 
 
 @functools.partial(jax.jit, static_argnames=("c", "kt", "num_warps", "interpret"))
-def backward(k, v, b, beta, x, dw, du, *, dk_walk=None, w=None, c=64, kt=64, num_warps=4,
+def backward(k, v, b, beta, x, dw, du, *, dk_walk=None, dt=None, c=64, kt=64, num_warps=4,
              interpret=False):
-    """``(dk, dv, dbeta, db)``, and ``(w·dw, v·dv)`` after them when the forward's ``w`` is
-    given, from the forward's ``x``, the cotangents ``du [B,Tp,H,dv]`` and ``dw [B,Tp,H,d]``,
-    and the walks' part ``dk_walk [B,Tp,H,d]`` of ``dK`` (``None``: none): ``dk`` in ``k``'s
-    dtype (``dk_walk`` added), ``dv`` in ``v``'s, the rest float32 ``[B,H,Tp]`` (``db`` the UT
-    transform's share of ``∂L/∂b``, ``gdn_chunk``).  Three loops over tiles of ``kt`` columns
-    keep the registers to ``[c,kt]`` tiles: values (``dV``, ``dU Vᵀ``), keys (``dT``, ``K Kᵀ``),
-    keys again (``dK``)."""
+    """``(dk, dv, dbeta, db)`` from the forward's ``x``, the cotangents ``du [B,Tp,H,dv]`` and
+    ``dw [B,Tp,H,d]``, the walks' part ``dk_walk [B,Tp,H,d]`` of ``dK`` and the cotangent ``dt
+    [B,H,Tp,c]`` float32 of ``T = X diag(β)`` itself (``None``: none; it adds to ``dT``):
+    ``dk`` in ``k``'s dtype (``dk_walk`` added), ``dv`` in ``v``'s, the rest float32
+    ``[B,H,Tp]`` (``db`` the UT transform's share of ``∂L/∂b``, ``gdn_chunk``).  Three loops
+    over tiles of ``kt`` columns keep the registers to ``[c,kt]`` tiles: values (``dV``,
+    ``dU Vᵀ``), keys (``dT``, ``K Kᵀ``), keys again (``dK``)."""
     d, dv = k.shape[-1], v.shape[-1]
     kt = min(kt, d)
     if d % kt or dv % kt:
         raise ValueError(f"gdn_ut.backward: kt={kt} must divide d={d} of k [B,T,H,d] and dv={dv} "
                          f"of v [B,T,H,dv]")
-    extra = [a for a in (dk_walk, w) if a is not None]
+    extra = [a for a in (dk_walk, dt) if a is not None]
 
     def kernel(k_ref, v_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref, *refs):
         refs = list(refs)
         dkw_ref = refs.pop(0) if dk_walk is not None else None
-        w_ref = refs.pop(0) if w is not None else None
-        dk_ref, dv_ref, dbeta_ref, db_ref, *sum_refs = refs
+        dt_ref = refs.pop(0) if dt is not None else None
+        dk_ref, dv_ref, dbeta_ref, db_ref = refs
         i, h, ts = pl.program_id(0), pl.program_id(1), _rows(c)
         bb, beta, X = b_ref[i, h, ts], beta_ref[i, h, ts], x_ref[i, h, ts, :]
-        dt, r = k_ref.dtype, jnp.exp(bb)
-        fast = dt == jnp.bfloat16
+        kdt, r = k_ref.dtype, jnp.exp(bb)
+        fast = kdt == jnp.bfloat16
 
-        def value_tile(cols, carry):
-            duv, vdv = carry
+        def value_tile(cols, duv):
             dU, V = du_ref[i, ts, h, cols], v_ref[i, ts, h, cols]
-            dV = gdn_chunk.ut_backward_values(X, beta, dU, fast)
-            dv_ref[i, ts, h, cols] = dV.astype(dv_ref.dtype)
-            if sum_refs:
-                vdv = vdv + jnp.sum(V.astype(F32) * dV, axis=1)
-            return duv + dot(dU.astype(dt), V, tb=True), vdv
+            dv_ref[i, ts, h, cols] = gdn_chunk.ut_backward_values(X, beta, dU, fast).astype(dv_ref.dtype)
+            return duv + dot(dU.astype(kdt), V, tb=True)
 
         def key_tile(cols, carry):
-            dTm, KK, wdw = carry
-            K, dW = k_ref[i, ts, h, cols], dw_ref[i, ts, h, cols]
-            if w_ref is not None:
-                wdw = wdw + jnp.sum(w_ref[i, ts, h, cols].astype(F32) * dW.astype(F32), axis=1)
-            return (*gdn_chunk.ut_backward_key_terms(K, r, dW, dTm, KK), wdw)
+            return gdn_chunk.ut_backward_key_terms(k_ref[i, ts, h, cols], r, dw_ref[i, ts, h, cols],
+                                                   *carry)
 
         def key_grad(cols, db):
             K = k_ref[i, ts, h, cols]
@@ -140,16 +133,14 @@ def backward(k, v, b, beta, x, dw, du, *, dk_walk=None, w=None, c=64, kt=64, num
             dk_ref[i, ts, h, cols] = dK.astype(dk_ref.dtype)
             return db + kdw
 
-        row, cc = jnp.zeros((c,), F32), jnp.zeros((c, c), F32)
-        duv, vdv = _over_tiles(kt, dv // kt, value_tile, (cc, row))
-        dTm, KK, wdw = _over_tiles(kt, d // kt, key_tile, (duv, cc, row))
+        cc = jnp.zeros((c, c), F32)
+        duv = _over_tiles(kt, dv // kt, value_tile, cc if dt_ref is None else dt_ref[i, h, ts, :])
+        dTm, KK = _over_tiles(kt, d // kt, key_tile, (duv, cc))
         bE, dbeta_ref[i, h, ts], db = gdn_chunk.ut_backward_gram(X, bb, beta, KK, dTm, fast)
         db_ref[i, h, ts] = _over_tiles(kt, d // kt, key_grad, db)
-        for ref, x_ in zip(sum_refs, (wdw, vdv)):
-            ref[i, h, ts] = x_
 
     B, Tp, H = k.shape[:3]
     per_token = jax.ShapeDtypeStruct((B, H, Tp), F32)
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 per_token, per_token] + [per_token] * (2 * (w is not None))
+                 per_token, per_token]
     return _call(kernel, out_shape, c, num_warps, interpret, k, v, b, beta, x, dw, du, *extra)
