@@ -44,10 +44,11 @@ def compilation_cache(path: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def quiet(c):
+def quiet(c, eval_every: int = 0):
     """Settings for runs inside a sweep: no per-step bar, no TensorBoard, synchronous saves
-    (the workdir may be deleted right after), eval and one save only at the end."""
-    c.train.update(progress_bar=False, tensorboard=False, async_checkpoint=False, eval_every=0,
+    (the workdir may be deleted right after), one save at the end and eval at the end (and
+    every ``eval_every`` steps when given)."""
+    c.train.update(progress_bar=False, tensorboard=False, async_checkpoint=False, eval_every=eval_every,
                    checkpoint_every=0, keep_checkpoints=1, sample_tokens=0)
     c.train.log_every = min(c.train.log_every, c.train.num_steps)
     return c
@@ -195,9 +196,9 @@ def yaml_value(text: str):
     return text
 
 
-def train_workdirs(configs: dict, root) -> dict:
+def train_workdirs(configs: dict, root, eval_every: int = 0) -> dict:
     """Train each ``{name: config}`` into ``root/<name>`` (resuming, or skipped when already at
-    its last step); returns ``{name: workdir}``."""
+    its last step; ``quiet``, with ``eval_every``); returns ``{name: workdir}``."""
     out = {}
     for name, c in tqdm.tqdm(configs.items(), desc="train", dynamic_ncols=True):
         workdir = pathlib.Path(root) / name
@@ -205,7 +206,7 @@ def train_workdirs(configs: dict, root) -> dict:
         done = ckpt.latest_step() == c.train.num_steps
         ckpt.close()
         if not done:
-            train_and_evaluate(quiet(c), workdir)
+            train_and_evaluate(quiet(c, eval_every), workdir)
         out[name] = str(workdir)
     return out
 

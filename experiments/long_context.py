@@ -14,8 +14,8 @@ past T are beyond training; softmax's RoPE table covers 2T), and NIAH zero-shot 
 and multi-needle, at T and 2T (``niah.CodeNIAH``: held-out source around a line
 ``MAGIC_NUMBER = N``, then ``assert MAGIC_NUMBER == N``; NIAH's English filler sentences are
 out of distribution for a model of source code, and all of them scored 0 there). The
-trainer's train-loss curve (every ``train.log_every`` steps), median tokens/s and final eval loss
-are kept beside them.
+trainer's train-loss curve (every ``train.log_every`` steps), its eval losses (at the end, and
+every ``--eval_every`` steps), median tokens/s and final eval loss are kept beside them.
 
 Resumable: results go to ``<out>/long_context_<tag>.{json,png,md}`` after every mixer, and a mixer
 already in the tag's JSON is skipped (the JSON refuses other settings), so several calls with
@@ -56,11 +56,16 @@ def parse_args(argv=None):
     p.add_argument("--eval_batches", type=int, default=8, help="position-loss batches")
     p.add_argument("--needles", type=int, default=4, help="needles in the multi-needle test")
     p.add_argument("--examples", type=int, default=64, help="NIAH examples per cell")
+    p.add_argument("--eval_every", type=int, default=0,
+                   help="also evaluate every this many steps (0: only at the end)")
     p.add_argument("--budget", type=float, default=0, help="no mixer starts after this many s")
     p.add_argument("--workroot", default="", help="where the workdirs go (default: temp)")
     p.add_argument("--tag", default="lm")
     p.add_argument("--out", default=str(common.RESULTS))
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if any(x.startswith("train.eval_every=") for x in a.set):
+        p.error("--set train.eval_every: a sweep's runs evaluate at the end only; pass --eval_every")
+    return a
 
 
 def config(args, mixer: str):
@@ -84,7 +89,8 @@ def settings(args) -> dict:
             "pack": False, "set": list(args.set), "eval_seq_len": 2 * c.data.seq_len,
             "eval_batch": args.eval_batch, "eval_batches": args.eval_batches, "needles": args.needles,
             "niah_examples": args.examples,
-            "corpus": f"{name}, {len(starts)} files, {tokens.size} bytes"}
+            "corpus": f"{name}, {len(starts)} files, {tokens.size} bytes",
+            **({"eval_every": args.eval_every} if args.eval_every else {})}
 
 
 def evaluate(args, workdir, T: int) -> dict:
@@ -94,8 +100,9 @@ def evaluate(args, workdir, T: int) -> dict:
                                      nll_fn)
     nh = niah.retrieval(workdir, [T, 2 * T], args.needles, args.examples, args.eval_batch, loaded,
                         "code", nll_fn)
-    curve = [[r["step"], r["loss"]] for r in common.metrics(workdir, "train")]
-    return {**pl, "params": param_count(loaded[1]), "curve": curve,
+    curve, evals = ([[r["step"], r["loss"]] for r in common.metrics(workdir, split)]
+                    for split in ("train", "eval"))
+    return {**pl, "params": param_count(loaded[1]), "curve": curve, "eval_curve": evals,
             "niah": {k: nh[k] for k in ("single", "multi", "decoy")}}
 
 
@@ -146,6 +153,8 @@ def plot(res: dict):
     for e in res["runs"].values():
         steps, losses = zip(*e["curve"])
         line, = a.plot(steps, losses, lw=1, label=e["label"])
+        if e.get("eval_curve"):
+            a.plot(*zip(*e["eval_curve"]), "o", ms=3, color=line.get_color())
         mids = [np.sqrt(k["lo"] * (k["hi"] - 1)) for k in e["buckets"] if k["loss"] is not None]
         b.plot(mids, [k["loss"] for k in e["buckets"] if k["loss"] is not None], marker="o",
                color=line.get_color(), label=e["label"])
@@ -156,7 +165,8 @@ def plot(res: dict):
         pts = [(n, gain(e, n)) for n in (T, 2 * T) if gain(e, n) is not None]
         if pts:
             d.plot(*zip(*pts), marker="o", color=line.get_color())
-    a.set(xlabel="step", ylabel="train loss (nats/byte)", title="training", yscale="log")
+    a.set(xlabel="step", ylabel="loss (nats/byte)", title="training (line: train, dots: eval)",
+          yscale="log")
     b.axvline(T, color="gray", ls=":", lw=1)
     b.set(xscale="log", xlabel="token position", ylabel="eval loss (nats/byte)",
           title=f"loss by position (bucket means; right of {T}: beyond training)")
@@ -203,7 +213,7 @@ def main(argv=None) -> dict:
         start = time.perf_counter()
         c = config(args, mixer)
         try:
-            workdir = common.train_workdirs({mixer: c}, root)[mixer]
+            workdir = common.train_workdirs({mixer: c}, root, args.eval_every)[mixer]
         except FloatingPointError as e:  # recorded, the later mixers still run; retried next call
             spent = time.perf_counter() - start
             res.setdefault("failed", {})[mixer] = {"error": str(e), "wall_s": spent,

@@ -91,11 +91,13 @@ def test_long_context_trains_evaluates_and_resumes(tmp_path, capsys, monkeypatch
             "--set", "data.seq_len=128", "--workroot", str(tmp_path / "runs"), "--out", str(tmp_path)]
     long_context.main(args[:5] + ["linear"] + args[6:])
     train = long_context.common.train_workdirs
+    with pytest.raises(SystemExit):   # quiet() would override it: refused, not ignored
+        long_context.main(args + ["--set", "train.eval_every=1"])
 
-    def diverges(configs, root):
+    def diverges(configs, *rest):
         if "mamba2" in configs:
             raise FloatingPointError("non-finite loss nan / grad norm nan at step 2")
-        return train(configs, root)
+        return train(configs, *rest)
 
     monkeypatch.setattr(long_context.common, "train_workdirs", diverges)
     long_context.main(args)  # mamba2 stops on a non-finite loss: recorded, the call ends normally
@@ -109,11 +111,16 @@ def test_long_context_trains_evaluates_and_resumes(tmp_path, capsys, monkeypatch
     assert list(res["runs"]) == ["linear", "mamba2"] and res["settings"]["eval_seq_len"] == 256
     for run in res["runs"].values():
         assert run["step"] == 3 and len(run["per_position"]) == 256 and run["params"] > 0
-        assert [s for s, _ in run["curve"]] == [3] and set(run["niah"]) == {"single", "multi", "decoy"}
+        assert [s for s, _ in run["curve"]] == [s for s, _ in run["eval_curve"]] == [3]
+        assert set(run["niah"]) == {"single", "multi", "decoy"}
         assert set(run["niah"]["decoy"]) == {"128", "256"} and np.isfinite(long_context.gain(run, 128))
     assert "| linear (decay, conv) |" in md and "gain T=128" in md
     with pytest.raises(SystemExit, match="other settings"):
         long_context.main(args[:3] + ["4"] + args[4:])
+    res = long_context.main(args[:3] + ["4", "--mixers", "linear", "--eval_every", "2"] + args[6:-4]
+                            + ["--workroot", str(tmp_path / "e"), "--tag", "e", "--out", str(tmp_path)])
+    assert res["settings"]["eval_every"] == 2
+    assert [s for s, _ in res["runs"]["linear"]["eval_curve"]] == [2, 4]
 
 
 def test_bench_ops_times_several_forms_at_one_shape(tmp_path):
