@@ -84,13 +84,13 @@ def _blocks_on_ut(*args):
 
 
 @pytest.mark.parametrize("B,T,H,d,dv", [
-    (1, 100, 2, 16, 24),   # T not a multiple of the chunk, dv padded to 64 (+64 identity columns)
-    (1, 200, 1, 16, 64),   # 4 chunks: 2 chunk levels, one value tile + the identity's
+    (1, 100, 2, 16, 24),   # T not a multiple of the chunk, dv padded to 64
+    (1, 200, 1, 16, 64),   # 4 chunks: 2 chunk levels, one value tile
 ])
 def test_block_form_on_the_ut_kernel_matches_reference(rng, B, T, H, d, dv):
-    """``loglinear_gdn_blocks.blocks(terms="kernel")``: outputs and all six gradients (the gate's
-    through ``∂L/∂b = w·dW + u·dU − v·dV``, ``T``'s cotangent through identity value columns),
-    and the same outputs as the XLA terms to float32 rounding."""
+    """``loglinear_gdn_blocks.blocks(terms="kernel")``: outputs and all six gradients (``T``'s
+    own cotangent handed to the UT backward, which gives the gate's share), and the same outputs
+    as the XLA terms to float32 rounding."""
     from hla_jax.ops import loglinear_gdn_blocks
 
     args = _inputs(rng, B, T, H, d, dv)
