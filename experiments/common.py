@@ -44,12 +44,13 @@ def compilation_cache(path: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def quiet(c, eval_every: int = 0):
+def quiet(c, eval_every: int = 0, checkpoint_every: int = 0):
     """Settings for runs inside a sweep: no per-step bar, no TensorBoard, synchronous saves
-    (the workdir may be deleted right after), one save at the end and eval at the end (and
-    every ``eval_every`` steps when given)."""
+    (the workdir may be deleted right after), one save at the end (and every
+    ``checkpoint_every`` steps when given, the last one kept) and eval at the end (and every
+    ``eval_every`` steps when given)."""
     c.train.update(progress_bar=False, tensorboard=False, async_checkpoint=False, eval_every=eval_every,
-                   checkpoint_every=0, keep_checkpoints=1, sample_tokens=0)
+                   checkpoint_every=checkpoint_every, keep_checkpoints=1, sample_tokens=0)
     c.train.log_every = min(c.train.log_every, c.train.num_steps)
     return c
 
@@ -196,17 +197,23 @@ def yaml_value(text: str):
     return text
 
 
-def train_workdirs(configs: dict, root, eval_every: int = 0) -> dict:
+def checkpoint_step(workdir) -> int | None:
+    """The step of ``workdir``'s latest checkpoint (None without one)."""
+    ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", async_save=False)
+    step = ckpt.latest_step()
+    ckpt.close()
+    return step
+
+
+def train_workdirs(configs: dict, root, eval_every: int = 0, checkpoint_every: int = 0) -> dict:
     """Train each ``{name: config}`` into ``root/<name>`` (resuming, or skipped when already at
-    its last step; ``quiet``, with ``eval_every``); returns ``{name: workdir}``."""
+    its last step; ``quiet``, with ``eval_every`` and ``checkpoint_every``); returns
+    ``{name: workdir}``."""
     out = {}
     for name, c in tqdm.tqdm(configs.items(), desc="train", dynamic_ncols=True):
         workdir = pathlib.Path(root) / name
-        ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
-        done = ckpt.latest_step() == c.train.num_steps
-        ckpt.close()
-        if not done:
-            train_and_evaluate(quiet(c, eval_every), workdir)
+        if checkpoint_step(workdir) != c.train.num_steps:
+            train_and_evaluate(quiet(c, eval_every, checkpoint_every), workdir)
         out[name] = str(workdir)
     return out
 

@@ -21,7 +21,10 @@ Resumable: results go to ``<out>/long_context_<tag>.{json,png,md}`` after every 
 already in the tag's JSON is skipped (the JSON refuses other settings), so several calls with
 ``--mixers`` subsets or ``--budget S`` (no mixer starts after S seconds) build one table. A mixer
 whose training stops on a non-finite loss is recorded under ``failed`` with the trainer's message
-and the later mixers still run; the next call tries it again.
+and the later mixers still run; the next call tries it again. A mixer longer than one call: give
+a lasting ``--workroot`` and ``--checkpoint_every N``; a call cut off mid-training loses at most N
+steps, and the next call resumes from the checkpoint (the entry records ``resumed_at``, and its
+``wall_s`` is then the last call's). ``--jit_cache DIR`` keeps compiled programs across calls.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ def parse_args(argv=None):
                    help="also evaluate every this many steps (0: only at the end)")
     p.add_argument("--budget", type=float, default=0, help="no mixer starts after this many s")
     p.add_argument("--workroot", default="", help="where the workdirs go (default: temp)")
+    p.add_argument("--checkpoint_every", type=int, default=0,
+                   help="also save every this many steps, so a cut-off run resumes (0: at the end)")
+    p.add_argument("--jit_cache", default="", help="persistent compilation cache folder")
     p.add_argument("--tag", default="lm")
     p.add_argument("--out", default=str(common.RESULTS))
     a = p.parse_args(argv)
@@ -202,6 +208,7 @@ def main(argv=None) -> dict:
                          f"  file: {res['settings']}\n  now:  {want}\nuse another --tag")
     res = res or {"tag": args.tag, "settings": {**want, "device": jax.devices()[0].device_kind},
                   "runs": {}}
+    common.compilation_cache(args.jit_cache)
     root = args.workroot or tempfile.mkdtemp(prefix="long_context_")
     md = ""
     for mixer in filter(None, args.mixers.split(",")):
@@ -212,8 +219,10 @@ def main(argv=None) -> dict:
             break
         start = time.perf_counter()
         c = config(args, mixer)
+        resumed = common.checkpoint_step(pathlib.Path(root) / mixer)
         try:
-            workdir = common.train_workdirs({mixer: c}, root, args.eval_every)[mixer]
+            workdir = common.train_workdirs({mixer: c}, root, args.eval_every,
+                                            args.checkpoint_every)[mixer]
         except FloatingPointError as e:  # recorded, the later mixers still run; retried next call
             spent = time.perf_counter() - start
             res.setdefault("failed", {})[mixer] = {"error": str(e), "wall_s": spent,
@@ -222,6 +231,7 @@ def main(argv=None) -> dict:
             print(f"{mixer}: failed after {spent:.0f} s: {e}", flush=True)
             continue
         res["runs"][mixer] = {**evaluate(args, workdir, c.data.seq_len),
+                              **({"resumed_at": resumed} if resumed else {}),
                               "wall_s": time.perf_counter() - start,
                               "device": jax.devices()[0].device_kind}
         res.get("failed", {}).pop(mixer, None)

@@ -122,6 +122,24 @@ def test_long_context_trains_evaluates_and_resumes(tmp_path, capsys, monkeypatch
     assert res["settings"]["eval_every"] == 2
     assert [s for s, _ in res["runs"]["linear"]["eval_curve"]] == [2, 4]
 
+    def cut(c, workdir):  # a call cut off (killed) after the step-2 checkpoint of 4 steps
+        c = c.copy_and_resolve_references()
+        c.train.num_steps = 2
+        trained(c, workdir)
+        raise KeyboardInterrupt
+
+    trained = long_context.common.train_and_evaluate
+    resumable = args[:3] + ["4", "--mixers", "linear", "--checkpoint_every", "2"] + args[6:-4] + [
+        "--set", "train.log_every=1", "--workroot", str(tmp_path / "r"), "--tag", "r",
+        "--out", str(tmp_path)]
+    monkeypatch.setattr(long_context.common, "train_and_evaluate", cut)
+    with pytest.raises(KeyboardInterrupt):
+        long_context.main(resumable)
+    monkeypatch.setattr(long_context.common, "train_and_evaluate", trained)
+    run = long_context.main(resumable)["runs"]["linear"]
+    assert run["resumed_at"] == 2 and run["step"] == 4
+    assert [s for s, _ in run["curve"]] == [1, 2, 3, 4]  # the resumed call logs steps 3, 4 once
+
 
 def test_bench_ops_times_several_forms_at_one_shape(tmp_path):
     bench_ops.main(["--only", "hla2,loglinear_mamba2,mamba2", "--impls", "chunked,reference",

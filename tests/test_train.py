@@ -91,10 +91,12 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         train_and_evaluate(c, workdir)
 
     run(tmp_path / "a", 20)
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as f:  # logged by a run cut after step 22
+        f.writelines(json.dumps({"step": s, "split": "train", "loss": -1.0}) + "\n" for s in (21, 22))
     run(tmp_path / "a", 40)
     run(tmp_path / "b", 40)
     resumed, straight = losses(tmp_path / "a"), losses(tmp_path / "b")
-    assert len(resumed) == len(straight) == 40
+    assert len(resumed) == len(straight) == 40  # the cut run's steps 21, 22 are re-done once
     np.testing.assert_allclose(resumed, straight, rtol=0, atol=1e-6)
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["30", "40"]
 

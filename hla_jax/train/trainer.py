@@ -124,6 +124,7 @@ def train_and_evaluate(config, workdir) -> dict:
         state, meta = ckpt.restore(ckpt.latest_step(), abstract)
         params, opt_state = state["params"], state["opt_state"]
         start, position = meta["step"], meta["data_position"]
+        writer.drop_after(start)
         logging.info("resumed from %s at step %d", ckpt.directory / str(start), start)
     train_it = data_lib.DataIterator(train_src, c.data.batch_size, c.data.seed,
                                      accum=c.optim.grad_accum, position=position, **proc)
