@@ -45,13 +45,12 @@ def compilation_cache(path: str) -> None:
 
 
 def quiet(c, eval_every: int = 0, checkpoint_every: int = 0):
-    """Settings for runs inside a sweep: no per-step bar, no TensorBoard, synchronous saves
-    (the workdir may be deleted right after), one save at the end (and every
-    ``checkpoint_every`` steps when given, the last one kept) and eval at the end (and every
-    ``eval_every`` steps when given)."""
+    """Settings for runs inside a sweep (a sweep's ``--set`` applies after them): no per-step
+    bar, no TensorBoard, synchronous saves (the workdir may be deleted right after), one save at
+    the end (and every ``checkpoint_every`` steps when given, the last one kept) and eval at the
+    end (and every ``eval_every`` steps when given)."""
     c.train.update(progress_bar=False, tensorboard=False, async_checkpoint=False, eval_every=eval_every,
                    checkpoint_every=checkpoint_every, keep_checkpoints=1, sample_tokens=0)
-    c.train.log_every = min(c.train.log_every, c.train.num_steps)
     return c
 
 
@@ -205,15 +204,15 @@ def checkpoint_step(workdir) -> int | None:
     return step
 
 
-def train_workdirs(configs: dict, root, eval_every: int = 0, checkpoint_every: int = 0) -> dict:
-    """Train each ``{name: config}`` into ``root/<name>`` (resuming, or skipped when already at
-    its last step; ``quiet``, with ``eval_every`` and ``checkpoint_every``); returns
+def train_workdirs(configs: dict, root) -> dict:
+    """Train each ``{name: config}`` (``quiet`` ones, ``--set`` applied after) into
+    ``root/<name>`` (resuming, or skipped when already at its last step); returns
     ``{name: workdir}``."""
     out = {}
     for name, c in tqdm.tqdm(configs.items(), desc="train", dynamic_ncols=True):
         workdir = pathlib.Path(root) / name
         if checkpoint_step(workdir) != c.train.num_steps:
-            train_and_evaluate(quiet(c, eval_every, checkpoint_every), workdir)
+            train_and_evaluate(c, workdir)
         out[name] = str(workdir)
     return out
 

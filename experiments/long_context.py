@@ -68,14 +68,12 @@ def parse_args(argv=None):
     p.add_argument("--jit_cache", default="", help="persistent compilation cache folder")
     p.add_argument("--tag", default="lm")
     p.add_argument("--out", default=str(common.RESULTS))
-    a = p.parse_args(argv)
-    if any(x.startswith("train.eval_every=") for x in a.set):
-        p.error("--set train.eval_every: a sweep's runs evaluate at the end only; pass --eval_every")
-    return a
+    return p.parse_args(argv)
 
 
 def config(args, mixer: str):
-    c = common.get_config("lm", f"mixer={mixer},size={args.size}")
+    c = common.quiet(common.get_config("lm", f"mixer={mixer},size={args.size}"), args.eval_every,
+                     args.checkpoint_every)
     c.data.pack = False
     if args.steps:
         c.train.num_steps = args.steps
@@ -221,8 +219,7 @@ def main(argv=None) -> dict:
         c = config(args, mixer)
         resumed = common.checkpoint_step(pathlib.Path(root) / mixer)
         try:
-            workdir = common.train_workdirs({mixer: c}, root, args.eval_every,
-                                            args.checkpoint_every)[mixer]
+            workdir = common.train_workdirs({mixer: c}, root)[mixer]
         except FloatingPointError as e:  # recorded, the later mixers still run; retried next call
             spent = time.perf_counter() - start
             res.setdefault("failed", {})[mixer] = {"error": str(e), "wall_s": spent,

@@ -226,7 +226,7 @@ def make_config(args, mixer, dim, pairs, lr):
     c.model.vocab_size = args.vocab
     c.model.impl = args.impl
     c.train.eval_steps = args.eval_steps
-    return common.quiet(common.apply_set(c, args.set))
+    return common.apply_set(common.quiet(c), args.set)
 
 
 def draw(sources, seed, split, index, pidx, batch, accum, flat=False) -> dict:

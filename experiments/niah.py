@@ -130,7 +130,7 @@ def parse_args(argv=None):
 def train_configs(args) -> dict:
     configs = {}
     for mixer in filter(None, args.mixers.split(",")):
-        c = common.get_config("niah", f"mixer={mixer},seq_len={args.train_seq_len}")
+        c = common.quiet(common.get_config("niah", f"mixer={mixer},seq_len={args.train_seq_len}"))
         configs[mixer] = common.apply_train_args(c, args)
     return configs
 

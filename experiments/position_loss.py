@@ -48,7 +48,8 @@ def parse_args(argv=None):
 def train_configs(args) -> dict:
     configs = {}
     for mixer in filter(None, args.mixers.split(",")):
-        c = common.apply_train_args(common.get_config("lm", f"mixer={mixer},size={args.size}"), args)
+        c = common.apply_train_args(
+            common.quiet(common.get_config("lm", f"mixer={mixer},size={args.size}")), args)
         if args.n_layers:
             c.model.n_layers = args.n_layers
         c.data.seq_len = args.train_seq_len or c.data.seq_len

@@ -91,8 +91,6 @@ def test_long_context_trains_evaluates_and_resumes(tmp_path, capsys, monkeypatch
             "--set", "data.seq_len=128", "--workroot", str(tmp_path / "runs"), "--out", str(tmp_path)]
     long_context.main(args[:5] + ["linear"] + args[6:])
     train = long_context.common.train_workdirs
-    with pytest.raises(SystemExit):   # quiet() would override it: refused, not ignored
-        long_context.main(args + ["--set", "train.eval_every=1"])
 
     def diverges(configs, *rest):
         if "mamba2" in configs:
@@ -130,8 +128,8 @@ def test_long_context_trains_evaluates_and_resumes(tmp_path, capsys, monkeypatch
 
     trained = long_context.common.train_and_evaluate
     resumable = args[:3] + ["4", "--mixers", "linear", "--checkpoint_every", "2"] + args[6:-4] + [
-        "--set", "train.log_every=1", "--workroot", str(tmp_path / "r"), "--tag", "r",
-        "--out", str(tmp_path)]
+        "--set", "train.log_every=1", "--set", "train.eval_every=1", "--workroot",
+        str(tmp_path / "r"), "--tag", "r", "--out", str(tmp_path)]
     monkeypatch.setattr(long_context.common, "train_and_evaluate", cut)
     with pytest.raises(KeyboardInterrupt):
         long_context.main(resumable)
@@ -139,6 +137,7 @@ def test_long_context_trains_evaluates_and_resumes(tmp_path, capsys, monkeypatch
     run = long_context.main(resumable)["runs"]["linear"]
     assert run["resumed_at"] == 2 and run["step"] == 4
     assert [s for s, _ in run["curve"]] == [1, 2, 3, 4]  # the resumed call logs steps 3, 4 once
+    assert [s for s, _ in run["eval_curve"]] == [1, 2, 3, 4]  # --set applies after quiet()
 
 
 def test_bench_ops_times_several_forms_at_one_shape(tmp_path):
