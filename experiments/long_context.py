@@ -123,17 +123,28 @@ def span_loss(e: dict, lo: int, hi: int):
     return sum(v) / len(v) if v else None
 
 
+def best_eval(e: dict) -> str:
+    """The lowest of the run's eval losses and its step ("–" with one eval only)."""
+    curve = e.get("eval_curve") or []
+    if len(curve) < 2:
+        return "–"
+    step, loss = min(curve, key=lambda r: r[1])
+    return f"{loss:.3f} ({step})"
+
+
 def table(res: dict) -> str:
     s = res["settings"]
     T = s["seq_len"]
     acc = lambda e, kind, n: common.fmt((e["niah"][kind].get(str(n)) or {}).get("row_accuracy"))  # noqa: E731
     num = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
-    head = ["mixer", "params", "train tok/s", "train loss", "eval loss", f"loss 1-{T}",
+    head = ["mixer", "params", "train tok/s", "train loss", "eval loss", "best eval (step)",
+            f"loss 1-{T}",
             f"loss {T // 2 + 1}-{T}", f"loss {T + 1}-{2 * T}", f"NIAH T={T}", f"NIAH {2 * T}",
             f"multi T={T}", f"multi {2 * T}", f"gain T={T}", f"gain {2 * T}"]
     rows = [[e["label"], f"{e['params'] / 1e6:.1f}M",
              f"{e['train']['tokens_per_s']:.0f}" if e["train"]["tokens_per_s"] else "–",
-             num(e["train"]["train_loss"]), num(e["train"]["eval_loss"]), num(span_loss(e, 1, T)),
+             num(e["train"]["train_loss"]), num(e["train"]["eval_loss"]), best_eval(e),
+             num(span_loss(e, 1, T)),
              num(span_loss(e, T // 2 + 1, T)), num(span_loss(e, T + 1, 2 * T)),
              acc(e, "single", T), acc(e, "single", 2 * T), acc(e, "multi", T), acc(e, "multi", 2 * T),
              num(gain(e, T)), num(gain(e, 2 * T))]
