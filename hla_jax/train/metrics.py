@@ -75,11 +75,9 @@ class MetricWriter:
     def drop_after(self, step: int):
         """Forget the records past ``step``: a run resumed from its step-``step`` checkpoint does
         those steps again (the log of a run stopped between checkpoints would repeat them)."""
-        if not self.enabled or not self.path.exists():
-            return
-        lines = [line for line in self.path.read_text().splitlines()
-                 if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in lines))
+        if self.enabled and self.path.exists():
+            kept = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, step: int, split: str, metrics: dict):
         if not self.enabled:
