@@ -1,15 +1,13 @@
 """Where the Gated DeltaNet kernel's time goes, on a Hopper GPU: the UT transform
-(``kernels/gpu/gdn_ut.py``, forward and backward), each Mosaic GPU walk
+(``kernels/gpu/gdn_ut.py``) and its backward (``kernels/gpu/gdn_ut_mgpu.py``), each Mosaic GPU walk
 (``kernels/gpu/gdn_mgpu.py``: ``out`` forward, ``rev`` backward), the walk's chunk-parallel
-products (``kernels/gpu/gdn_grads.py``), the whole ``kernels.gdn.core`` forward and backward, and
+products (``kernels/gpu/gdn_grads_mgpu.py``), the whole ``kernels.gdn.core`` forward and backward, and
 what is left for XLA's glue, median ms; with ``--sweep ut`` also the UT settings that were chosen
-this way: ``ut_fwd_cb16`` (row blocks of 16 tokens instead of 32), ``ut_{fwd,bwd}_w{2,8}`` (2
-and 8 Triton warps instead of 4) and ``ut_bwd_kt128`` (the backward's tiles of 128 columns
-instead of 64); with ``--sweep grads`` the products' ``grads_w{4,8}_kb{d,64}``
-(Triton warps, block of keys per program).
+this way: ``ut_fwd_cb16`` (row blocks of 16 tokens instead of 32) and ``ut_fwd_w{2,8}`` (2
+and 8 Triton warps instead of 4).
 
     python experiments/bench_gdn_parts.py [--T 8192] [--tokens 65536] [--shape 16,128,128]
-        [--repeats 10] [--name bench_gdn_parts_gpu] [--sweep ut|grads ...] [--out DIR]
+        [--repeats 10] [--name bench_gdn_parts_gpu] [--sweep ut] [--out DIR]
 
 Same inputs as ``bench_kernels.py`` (bf16, ``--shape`` H,d,dv, B·T = ``--tokens``); writes
 ``<out>/<name>.json``: the parts, ``fwd``/``bwd`` (``core``'s forward and its backward from the
@@ -35,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from experiments.bench_kernels import Shape, inputs, micro_args, micro_size, micro_write  # noqa: E402
 from experiments.bench_kernels import timeit as _timeit  # noqa: E402
 from hla_jax.kernels import gdn, wrap  # noqa: E402
-from hla_jax.kernels.gpu import gdn_grads, gdn_mgpu, gdn_ut  # noqa: E402
+from hla_jax.kernels.gpu import gdn_grads_mgpu, gdn_mgpu, gdn_ut, gdn_ut_mgpu  # noqa: E402
 
 
 def steps(B: int, T: int, shape: Shape, interpret: bool = False):
@@ -51,24 +49,24 @@ def steps(B: int, T: int, shape: Shape, interpret: bool = False):
     h0 = jnp.zeros((B, q.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
     walk = {m: jax.jit(lambda b2, *x, m=m: gdn_mgpu.walk(b2, h0, x, mode=m, interpret=interpret))
             for m in gdn_mgpu.TILES}
-    ut_fwd, ut_bwd, grads = (functools.partial(f, interpret=interpret)
-                             for f in (gdn_ut.forward, gdn_ut.backward, gdn_grads.backward))
+    ut_fwd, ut_bwd, grads = (jax.jit(functools.partial(f, interpret=interpret))
+                             for f in (gdn_ut.forward, gdn_ut_mgpu.backward, gdn_grads_mgpu.backward))
     w16, u16, x = ut_fwd(k, v, b, beta)
     _, vn, s, _ = walk["out"](b2, q, k, w16, u16)
-    du, ndu, ds, _ = walk["rev"](b2, q, k, w16, w)   # w: a bf16 stand-in for dO
+    ndu, ds, _ = walk["rev"](b2, q, k, w16, w)   # w: a bf16 stand-in for dO
     return ({"ut_fwd": (ut_fwd, (k, v, b, beta)),
              "walk_out": (walk["out"], (b2, q, k, w16, u16)),
              "walk_rev": (walk["rev"], (b2, q, k, w16, w)),
-             "grads": (grads, (q, k, vn, w, ndu, s, ds, b)),
-             "ut_bwd": (functools.partial(ut_bwd, dk_walk=w16), (k, v, b, beta, x, w16, du))},
+             "grads": (grads, (q, k, vn, w, ndu, s, ds, b2)),
+             "ut_bwd": (ut_bwd, (k, v, b2, beta, x, w16, ndu, w16))},
             dict(args=(q, k, v, beta_t.astype(jnp.float32), g, h0), do=w))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     micro_args(p, "bench_gdn_parts_gpu")
-    p.add_argument("--sweep", action="append", default=[], choices=("ut", "grads"),
-                   help="also time the UT or products kernels' other settings")
+    p.add_argument("--sweep", action="append", default=[], choices=("ut",),
+                   help="also time the UT transform's other settings")
     p.add_argument("--interpret", action="store_true",
                    help="Pallas' interpreters (a CPU run: the wiring only, the times mean nothing)")
     a = p.parse_args(argv)
@@ -82,19 +80,11 @@ def main(argv=None):
     row = dict(device=jax.devices()[0].device_kind, B=B, T=T, shape=list(shape),
                **{name: timeit(f, *x) for name, (f, x) in parts.items()},
                fwd=timeit(fwd, *args), bwd=timeit(bwd, res, (core["do"].astype(jnp.float32), hT)))
-    (ut_fwd, ut_fwd_args), (ut_bwd, ut_bwd_args), (grads, grads_args) = (
-        parts[n] for n in ("ut_fwd", "ut_bwd", "grads"))
     if "ut" in a.sweep:
-        row["ut_fwd_cb16"] = timeit(functools.partial(ut_fwd, cb=16), *ut_fwd_args)
-        for nw in (2, 8):   # the UT kernels' Triton warps (4 by default)
-            row[f"ut_fwd_w{nw}"] = timeit(functools.partial(ut_fwd, num_warps=nw), *ut_fwd_args)
-            row[f"ut_bwd_w{nw}"] = timeit(functools.partial(ut_bwd, num_warps=nw), *ut_bwd_args)
-        row["ut_bwd_kt128"] = timeit(functools.partial(ut_bwd, kt=128), *ut_bwd_args)
-    if "grads" in a.sweep:
-        for nw in (4, 8):
-            for kb in (None, 64):
-                row[f"grads_w{nw}_kb{kb or 'd'}"] = timeit(
-                    functools.partial(grads, num_warps=nw, kb=kb), *grads_args)
+        ut_fwd_args = parts["ut_fwd"][1]
+        for name, kw in (("cb16", dict(cb=16)), ("w2", dict(num_warps=2)), ("w8", dict(num_warps=8))):
+            f = jax.jit(functools.partial(gdn_ut.forward, interpret=a.interpret, **kw))
+            row[f"ut_fwd_{name}"] = timeit(f, *ut_fwd_args)   # cb: rows a block; w: Triton warps
     row["glue_fwd"] = row["fwd"] - row["ut_fwd"] - row["walk_out"]
     row["glue_bwd"] = row["bwd"] - row["walk_rev"] - row["grads"] - row["ut_bwd"]
     print(json.dumps(row))

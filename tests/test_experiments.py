@@ -232,11 +232,11 @@ def test_bench_gdn_parts_times_each_step_in_the_interpreters(tmp_path):
     from experiments import bench_gdn_parts
 
     row = bench_gdn_parts.main(["--T", "128", "--tokens", "128", "--shape", "1,64,64",
-                                "--repeats", "1", "--sweep", "grads", "--interpret",
+                                "--repeats", "1", "--sweep", "ut", "--interpret",
                                 "--out", str(tmp_path), "--name", "tiny"])
     assert json.loads((tmp_path / "tiny.json").read_text()) == json.loads(json.dumps(row))
     timed = ("ut_fwd", "walk_out", "walk_rev", "grads", "ut_bwd", "fwd", "bwd",
-             "grads_w4_kbd", "grads_w8_kb64")
+             "ut_fwd_cb16", "ut_fwd_w2", "ut_fwd_w8")
     assert all(row[name] > 0 for name in timed), row
 
 

@@ -1,5 +1,6 @@
 """The first-order Gated DeltaNet kernel (``kernels/gdn.py`` over ``kernels/gpu/gdn_mgpu.py``) on
-this CPU: the Mosaic GPU walks in the GPU interpreter and the Triton kernels in interpret mode
+this CPU: the Mosaic GPU kernels (walks, products, UT backward) in the GPU interpreter and the
+Triton UT transform in interpret mode
 against the float32 recurrence (outputs, final state and every gradient: q, k, v, g, β, the
 initial state), with a ragged T, value tiles padded, a reset gate, packed documents through
 ``ops.gated_deltanet(impl="pallas")``, the entry's refusals, the lowering for CUDA, and the
@@ -144,10 +145,10 @@ def test_entry_refuses_what_the_kernel_does_not_take(rng):
 
 
 def test_lowers_for_cuda():
-    """Forward and backward (the two Mosaic GPU walks; in Triton the UT transform, run once, its
-    backward and the walk's products) go through the real lowering for head dims 64 and 128, one
-    or two value tiles."""
-    for d, dv in ((64, 64), (128, 128)):
+    """Forward and backward (in Mosaic GPU the two walks, the walk's products and the UT
+    backward; in Triton the UT transform, run once) go through the real lowering for head dims
+    64 and 128, with one to three value tiles."""
+    for d, dv in ((64, 64), (128, 128), (64, 192)):
         x = jax.ShapeDtypeStruct((2, 256, 3, d), jnp.bfloat16)
         v = jax.ShapeDtypeStruct((2, 256, 3, dv), jnp.bfloat16)
         s = jax.ShapeDtypeStruct((2, 256, 3), jnp.float32)
@@ -158,10 +159,10 @@ def test_lowers_for_cuda():
             return jnp.sum(o) + jnp.sum(hT)
 
         text = lower_for("cuda", jax.grad(loss, argnums=range(6)), x, x, v, s, s, h0)
-        for mode in ("out", "rev"):
-            assert f"gdn_walk_{mode}" in text, mode
-        # the UT transform once (the backward keeps its W), its backward, the walk's products
-        assert text.count("__gpu$xla.gpu.triton") == 3, "UT forward and backward, products"
+        for name in ("gdn_walk_out", "gdn_walk_rev", "gdn_grads", "gdn_ut_bwd"):
+            assert name in text, name
+        # the UT transform once (the backward keeps its W)
+        assert text.count("__gpu$xla.gpu.triton") == 1, "UT forward"
 
 
 def test_tpu_backend_lowers_through_mosaic():
@@ -247,37 +248,51 @@ def test_walk_grads_are_the_vjp_of_a_chunk(rng):
         assert_close(db, db_want, 1e-12, "db")
 
 
-def test_products_by_key_blocks_equal_the_whole(rng):
-    """``gdn_grads.backward`` with ``kb=64`` (the default: two key blocks of d=128, the gate's
-    ``∂L/∂b`` in two shares) gives what one block of all the keys (``kb=None``) gives."""
-    from hla_jax.kernels.gpu import gdn_grads
+@pytest.mark.parametrize("d,dv", [(128, 128), (64, 192)])   # two key blocks; three value tiles
+def test_mosaic_products_match_the_chunk_math(rng, d, dv):
+    """``gdn_grads_mgpu.backward`` (GPU interpreter; 16-bit operands) against
+    ``gdn_chunk.walk_products`` and ``walk_grads`` on each chunk in float32: ``dQ, dK, dW`` to
+    their 16-bit rounding, the gate's share (summed over the key blocks) to 1e-5."""
+    from hla_jax.kernels import gdn_chunk
+    from hla_jax.kernels.gpu import gdn_grads_mgpu
+    from hla_jax.kernels.gpu.la_mgpu import LOG2E
 
-    B, Tp, H, d, dv = 1, 128, 1, 128, 64
+    B, Tp, H, N = 1, 128, 2, 2
     bf = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)  # noqa: E731
     q, k = bf(B, Tp, H, d), bf(B, Tp, H, d)
     vn, do, ndvn = bf(B, Tp, H, dv), bf(B, Tp, H, dv), bf(B, Tp, H, dv)
-    s, ds = bf(B, H, Tp // 64, dv, d), bf(B, H, Tp // 64, dv, d)
-    b = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.1, (B, H, 2, 64)), jnp.float32), -1)
-    b = b.reshape(B, H, Tp)   # the chunk-local cumulative log-decay
-    whole = gdn_grads.backward(q, k, vn, do, ndvn, s, ds, b, kb=None, interpret=True)
-    blocks = gdn_grads.backward(q, k, vn, do, ndvn, s, ds, b, kb=64, interpret=True)
-    names = ("dQ", "dK", "dW", "db")
-    for i, (a, b_, what) in enumerate(zip(whole, blocks, names)):
-        if i == 3:   # the gate's share, one per key block
-            a, b_ = a.sum(0), b_.sum(0)
-        assert_close(b_.astype(jnp.float32), a.astype(jnp.float32), 1e-5, what)
+    s, ds = bf(B, H, N, dv, d), bf(B, H, N, dv, d)
+    b = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.1, (B, H, N, 64)), jnp.float32), -1)
+    got = gdn_grads_mgpu.backward(q, k, vn, do, ndvn, s, ds, b.reshape(B, H, Tp) * LOG2E,
+                                  interpret=True)
+
+    def chunk(Q, K, Vn, dO, nD, sT, dsT, bb):
+        D, dOS, VdS, dW, SdS = gdn_chunk.walk_products(dO, Vn, nD, sT, dsT)
+        return (*gdn_chunk.walk_grads(Q, K, bb, D, dOS, VdS, SdS), dW)
+
+    per_chunk = lambda x: jnp.moveaxis(x.reshape(B, N, 64, H, -1), 3, 1)  # noqa: E731
+    f32 = [per_chunk(x.astype(jnp.float32)) for x in (q, k, vn, do, ndvn)]
+    with jax.default_matmul_precision("highest"):
+        dQ, dK, db, dW = jax.vmap(jax.vmap(jax.vmap(chunk)))(
+            *f32, s.astype(jnp.float32), ds.astype(jnp.float32), b)
+    back = lambda x: jnp.moveaxis(x, 1, 3).reshape(B, Tp, H, d)  # noqa: E731
+    for a, e, what in ((got[0], back(dQ), "dQ"), (got[1], back(dK), "dK"), (got[2], back(dW), "dW")):
+        assert a.dtype == q.dtype and a.shape == e.shape
+        assert_close(a.astype(jnp.float32), e, 5e-3, what)
+    assert got[3].shape == (d // 64, B, H, Tp)
+    assert_close(got[3].sum(0), db.reshape(B, H, Tp), 1e-5, "db")
 
 
 def test_ut_backward_by_tiles_equals_the_whole(rng):
     """``gdn_ut.backward`` in tiles of 64 columns (the default: two key and two value tiles at
-    d=dv=128) gives what tiles of all 128 columns give, with the walks' ``dK`` or ``T``'s own
-    cotangent ``dt``."""
+    d=dv=128) gives what tiles of all 128 columns give, without and with ``T``'s own cotangent
+    ``dt``."""
     from hla_jax.kernels.gpu import gdn_ut
 
     B, Tp, H, d, dv = 1, 128, 1, 128, 128
     bf = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)  # noqa: E731
     k = bf(B, Tp, H, d) / jnp.sqrt(d).astype(jnp.bfloat16)
-    v, dw, dkw = bf(B, Tp, H, dv), bf(B, Tp, H, d), bf(B, Tp, H, d)
+    v, dw = bf(B, Tp, H, dv), bf(B, Tp, H, d)
     du = jnp.asarray(rng.normal(size=(B, Tp, H, dv)), jnp.float32)
     dt = jnp.asarray(rng.normal(size=(B, H, Tp, 64)), jnp.float32)
     b = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.1, (B, H, 2, 64)), jnp.float32), -1)
@@ -286,10 +301,39 @@ def test_ut_backward_by_tiles_equals_the_whole(rng):
     x = gdn_ut.forward(k, v, b, beta, interpret=True)[2]
     names = ("dk", "dv", "dbeta", "db")
     args = (k, v, b, beta, x, dw, du)
-    for extra in (dict(dk_walk=dkw), dict(dt=dt)):
+    for extra in (dict(), dict(dt=dt)):
         whole = gdn_ut.backward(*args, kt=128, interpret=True, **extra)
         tiles = gdn_ut.backward(*args, kt=64, interpret=True, **extra)
         # dk and dv are 16-bit: a float32 sum taken in another order can flip their rounding
         for a, b_, what in zip(whole, tiles, names):
             assert_close(b_.astype(jnp.float32), a.astype(jnp.float32), 2e-4, what)
 
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (64, 192)])   # one value tile; three of 64
+def test_mosaic_ut_backward_matches_the_chunk_math(rng, d, dv):
+    """``gdn_ut_mgpu.backward`` (GPU interpreter; 16-bit operands, ``X`` in two halves) against
+    the UT backward of ``gdn_chunk`` in float32 on the same inputs (``gdn_ut.backward`` at
+    "highest" precision, the walks' ``dK`` added): ``dk, dv`` to their 16-bit rounding, ``dβ``
+    and the gate's share to 1e-4."""
+    from hla_jax.kernels.gpu import gdn_ut, gdn_ut_mgpu
+    from hla_jax.kernels.gpu.la_mgpu import LOG2E
+
+    B, Tp, H = 1, 128, 2
+    bf = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)  # noqa: E731
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    k = f32(bf(B, Tp, H, d))
+    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+    v, dw, dkw, ndu = bf(B, Tp, H, dv), bf(B, Tp, H, d), bf(B, Tp, H, d), bf(B, Tp, H, dv)
+    b = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.1, (B, H, 2, 64)), jnp.float32), -1)
+    b = b.reshape(B, H, Tp)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, H, Tp)), jnp.float32)
+    x = gdn_ut.forward(k, v, b, beta, interpret=True)[2]
+    got = gdn_ut_mgpu.backward(k, v, b * LOG2E, beta, x, dw, ndu, dkw, interpret=True)
+    with jax.default_matmul_precision("highest"):
+        dk, dv_, dbeta, db = gdn_ut.backward(f32(k), f32(v), b, beta, x, f32(dw), -f32(ndu),
+                                             interpret=True)
+    want = (dk + f32(dkw), dv_, dbeta, db)
+    for a, e, what, tol in zip(got, want, ("dk", "dv", "dbeta", "db"), (5e-3, 5e-3, 1e-4, 1e-4)):
+        assert a.shape == e.shape and a.dtype == (k.dtype if what in ("dk", "dv") else jnp.float32)
+        assert_close(f32(a), e, tol, what)

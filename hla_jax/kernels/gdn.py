@@ -13,7 +13,8 @@ The backward, from ``W``, ``V'``, those states and the inverse ``X`` kept by the
 ``[B,T,H,d]`` and one ``[B,T,H,dv]`` 16-bit array, the states ``[B,H,T/64,dv,d]`` 16-bit, ``X``
 ``[B,H,T,64]`` float32), is one reverse walk (``dV'`` and the cotangent of the state leaving
 each chunk), then chunk-parallel again: the walk's products (``dQ``, ``dK``'s walk part,
-``dW``; ``kernels/gpu/gdn_grads.py``, Triton) and the UT transform's backward.  The TPU backend
+``dW``; ``kernels/gpu/gdn_grads_mgpu.py``) and the UT transform's backward
+(``kernels/gpu/gdn_ut_mgpu.py``, from ``−dV'`` in 16 bits), both Mosaic GPU.  The TPU backend
 (``kernels/tpu/gdn.py``, Mosaic; the same five steps on the same chunk math, ``gdn_chunk``) keeps
 its states ``[B,H,T/64,d,dv]`` in the inputs' dtype.
 
@@ -88,9 +89,9 @@ def _core_bwd(interpret, platform, res, cts):
     do, dhT = cts
     steps, b, beta_h = wrap.backend_module(platform, "gdn"), _local(g), _heads_first(beta)
     do = do.astype(q.dtype)
-    du, ndu, ds, dh0 = steps.walk_rev(q, k, w, do, b, dhT, interpret=interpret)
+    ndu, ds, dh0 = steps.walk_rev(q, k, w, do, b, dhT, interpret=interpret)
     dq, dk, dw, db_walk = steps.grads(q, k, vn, do, ndu, s, ds, b, interpret=interpret)
-    dk, dv, dbeta, db_ut = steps.ut_backward(k, v, b, beta_h, x, dw, du, dk, interpret=interpret)
+    dk, dv, dbeta, db_ut = steps.ut_backward(k, v, b, beta_h, x, dw, ndu, dk, interpret=interpret)
     return (dq, dk, dv, jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
             _gate_grad(db_walk + db_ut), dh0)
 

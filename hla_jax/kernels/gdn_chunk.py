@@ -137,13 +137,14 @@ def walk_forward(Q, K, W, U, bb, S):
 
 
 def walk_backward(Q, K, W, dO, bb, dS):
-    """``(dV', −dV', dS')`` of one chunk from the cotangent ``dS [d,dv]`` of the state leaving
-    it: ``dV'`` float32, ``−dV'`` in ``Q``'s dtype, ``dS'`` (the state entering) float32."""
+    """``(−dV', dS')`` of one chunk from the cotangent ``dS [d,dv]`` of the state leaving it:
+    ``−dV'`` in ``Q``'s dtype (``dU = dV'``, the operand of the products and the UT backward),
+    ``dS'`` (the state entering) float32."""
     dt = Q.dtype
     rho, rho_c, gam, Gam, _ = decays(bb)
     dVn = dot((dot(K, Q, tb=True) * Gam.T).astype(dt), dO) + gam[:, None] * dot(K, dS)
     neg = (-dVn).astype(dt)
-    return dVn, neg, rho_c * dS + dot((rho[:, None] * Q).astype(dt), dO, ta=True) + dot(W, neg, ta=True)
+    return neg, rho_c * dS + dot((rho[:, None] * Q).astype(dt), dO, ta=True) + dot(W, neg, ta=True)
 
 
 def walk_products(dO, Vn, nDVn, sT, dsT):
@@ -160,10 +161,11 @@ def walk_grads(Q, K, bb, D, dOS, VdS, SdS):
     value-summed ``walk_products``: ``∂L/∂b [c]`` float32 is this block's share of the walk's
     part (module docstring), the states' inner product ``SdS`` over the block included."""
     rho, rho_c, gam, Gam, _ = decays(bb)
-    P = (D * Gam).astype(K.dtype)
+    DG = D * Gam
+    P = DG.astype(K.dtype)
     dq_inter, dk_inter = rho[:, None] * dOS, gam[:, None] * VdS
     dQ, dK = dq_inter + dot(P, K), dk_inter + dot(P, Q, ta=True)
-    M = D * Gam * dot(Q, K, tb=True)
+    M = DG * dot(Q, K, tb=True)
     kdk = jnp.sum(K.astype(dK.dtype) * dk_inter, 1)
     db = (jnp.sum(Q.astype(dQ.dtype) * dq_inter, 1) - kdk + jnp.sum(M, 1) - jnp.sum(M, 0)
           + at_end(jnp.sum(kdk) + rho_c * SdS, Q.shape[0]))

@@ -1,6 +1,7 @@
 """The NVIDIA backend of ``kernels/gdn.py``: its five steps on the Hopper kernels (the UT transform
-and its backward in Triton, ``gdn_ut.py``; the two walks in Mosaic GPU, ``gdn_mgpu.py``, which
-run in log2 units on transposed states; the walk's products in Triton, ``gdn_grads.py``).
+in Triton, ``gdn_ut.py``; the rest in Mosaic GPU, in log2 units: the two walks on transposed
+states, ``gdn_mgpu.py``, the walk's products, ``gdn_grads_mgpu.py``, and the UT backward,
+``gdn_ut_mgpu.py``).
 
 The interface, shared with ``kernels/tpu/gdn.py`` (``b``, ``beta`` ``[B,H,Tp]`` float32; ``q, k,
 v, dO`` and the returned ``O, dQ, dK, dV`` in the caller's ``[B,Tp,H,·]``; states ``[B,H,d,dv]``
@@ -8,16 +9,18 @@ float32; the rest backend-owned, passed between the steps):
 
     ut_forward(k, v, b, beta)                       -> W, U, X
     walk_out(q, k, w, u, b, h0)                     -> O, H_T, V', S per chunk
-    walk_rev(q, k, w, dO, b, dH_T)                  -> dU, −dV', dS per chunk, dH0
+    walk_rev(q, k, w, dO, b, dH_T)                  -> −dV', dS per chunk, dH0
     grads(q, k, V', dO, −dV', S, dS, b)             -> dQ, dK_walk, dW, ∂L/∂b (the walk's share)
-    ut_backward(k, v, b, beta, X, dW, dU, dK_walk)  -> dK, dV, dβ, ∂L/∂b (the UT's share)
+    ut_backward(k, v, b, beta, X, dW, −dV', dK_walk) -> dK, dV, dβ, ∂L/∂b (the UT's share)
+
+(``dU = dV'``: the UT backward takes it negated and in 16 bits, as the products do.)
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from hla_jax.kernels.gpu import gdn_grads, gdn_mgpu, gdn_ut
+from hla_jax.kernels.gpu import gdn_grads_mgpu, gdn_mgpu, gdn_ut, gdn_ut_mgpu
 from hla_jax.kernels.gpu.la_mgpu import LOG2E
 
 
@@ -35,15 +38,16 @@ def walk_out(q, k, w, u, b, h0, *, interpret):
 
 
 def walk_rev(q, k, w, do, b, dhT, *, interpret):
-    du, ndu, ds, dh0 = gdn_mgpu.walk(b * LOG2E, _t(dhT), (q, k, w, do), mode="rev",
-                                     interpret=interpret)
-    return du, ndu, ds, _t(dh0)
+    ndu, ds, dh0 = gdn_mgpu.walk(b * LOG2E, _t(dhT), (q, k, w, do), mode="rev",
+                                 interpret=interpret)
+    return ndu, ds, _t(dh0)
 
 
 def grads(q, k, vn, do, ndu, s, ds, b, *, interpret):
-    dq, dk, dw, db = gdn_grads.backward(q, k, vn, do, ndu, s, ds, b, interpret=interpret)
+    dq, dk, dw, db = gdn_grads_mgpu.backward(q, k, vn, do, ndu, s, ds, b * LOG2E,
+                                             interpret=interpret)
     return dq, dk, dw, db.sum(0)   # the key blocks' shares
 
 
-def ut_backward(k, v, b, beta, x, dw, du, dk, *, interpret):
-    return gdn_ut.backward(k, v, b, beta, x, dw, du, dk_walk=dk, interpret=interpret)
+def ut_backward(k, v, b, beta, x, dw, ndu, dk, *, interpret):
+    return gdn_ut_mgpu.backward(k, v, b * LOG2E, beta, x, dw, ndu, dk, interpret=interpret)

@@ -11,11 +11,11 @@ So a chunk is an LA chunk (``la_mgpu``) whose values ``V'`` are read from the st
 more matmul.  The walks do only what needs the state in order; each also writes the state it
 meets at every chunk in 16 bits (the forward ``Sᵀ`` coming in, the reverse ``dSᵀ``, the
 cotangent of the state going out), so the rest of the backward is chunk-parallel
-(``gdn_grads.py``: ``dQ``, ``dK``'s walk part, ``dW = −dV' Sᵀ``):
+(``gdn_grads_mgpu.py``: ``dQ``, ``dK``'s walk part, ``dW = −dV' Sᵀ``):
 
     reverse walk    dV' = ((K Qᵀ) ∘ Γᵀ) dO + diag(γ̄) K dS,    dS ← ρ_c dS + (ρ∘Q)ᵀ dO − Wᵀ dV'
 
-and ``dU = dV'`` (float32; also ``−dV'`` in 16 bits, the products' operand).  Each walk is one
+and ``−dV'`` in 16 bits (``dU = dV'``: the operand of the products and of the UT backward).  Each walk is one
 CTA per (batch, head, 64 value columns) with the transposed state ``Sᵀ: [64, d]`` float32 in
 registers and the next chunk's tiles double-buffered by TMA, as in ``la_mgpu``.  No sequence is
 cut into pieces (the transition is a matrix: ``la_mgpu.pieces`` needs a scalar one).
@@ -62,8 +62,8 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
     ``o`` = dO value-width); ``s0 [B,H,dv,d]`` the transposed state it starts from (``rev``: the
     final state's cotangent).  Returns, with the state after the walk last:
     ``out``: ``O [B,Tp,H,dv]`` float32, ``V' [B,Tp,H,dv]`` 16-bit, ``Sᵀ`` entering each chunk;
-    ``rev``: ``dU = dV' [B,Tp,H,dv]`` float32, ``−dV'`` 16-bit, ``dSᵀ`` leaving each chunk
-    (the per-chunk states ``[B,H,N,dv,d]`` 16-bit).
+    ``rev``: ``−dV' [B,Tp,H,dv]`` 16-bit, ``dSᵀ`` leaving each chunk (the per-chunk states
+    ``[B,H,N,dv,d]`` 16-bit).
     """
     by = dict(zip(TILES[mode], tiles))
     B, Tp, H, d = by["k"].shape
@@ -71,7 +71,8 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
     nv, reverse = dv // BV, mode == "rev"
     _mm = functools.partial(matmul, interpret=bool(interpret))
     names = TILES[mode]
-    out_type = [((B, Tp, H, dv), F32), ((B, Tp, H, dv), dt), ((B, H, N, dv, d), dt)]
+    out_type = [((B, Tp, H, dv), F32)] * (not reverse) + [((B, Tp, H, dv), dt),
+                                                          ((B, H, N, dv, d), dt)]
     vec = plgpu.SMEM((2, C), F32)
     scratch = dict(
         x_s=[smem_tile((2, C, d if n in WIDE else BV), dt) for n in names], b_c=vec, b_r=vec,
@@ -81,7 +82,7 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
 
     def body(b_ref, s0_ref, *refs, x_s, b_c, b_r, s_pub, v16, io, in_bar, s_bar):
         (s_io,), (stage,) = io
-        x_refs, (o_ref, v16_ref, s_ref, final_ref) = refs[:len(names)], refs[len(names):]
+        x_refs, (*o_ref, v16_ref, s_ref, final_ref) = refs[:len(names)], refs[len(names):]
         bi, hi, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         cols = pl.ds(iv * BV, BV)
         x = dict(zip(names, x_s))
@@ -133,11 +134,13 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
                 kds = _mm(t["k"], s_pub.T, (C, BV)) * bcast_rows(gbar_r, (C, BV))
                 out = _mm(pt.astype(dt), t["o"], (C, BV), init=kds)         # dV'
                 v16[...] = (-out).astype(dt)
-            stage[...] = out
+            stores = [(v16, v16_ref.at[bi, rows, hi, cols]),             # V' or −dV', 16 bits
+                      (s_pub, s_ref.at[bi, hi, n, cols])]                # Sᵀ or dSᵀ, 16 bits
+            if mode == "out":
+                stage[...] = out
+                stores.append((stage, o_ref[0].at[bi, rows, hi, cols]))  # O
             plgpu.commit_smem()
-            for buf, dst in ((stage, o_ref.at[bi, rows, hi, cols]),      # O or dU = dV'
-                             (v16, v16_ref.at[bi, rows, hi, cols]),      # V' or −dV', 16 bits
-                             (s_pub, s_ref.at[bi, hi, n, cols])):        # Sᵀ or dSᵀ, 16 bits
+            for buf, dst in stores:
                 plgpu.copy_smem_to_gmem(buf, dst, commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             decayed = s_t * jnp.exp2(b_last)

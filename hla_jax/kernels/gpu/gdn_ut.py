@@ -6,8 +6,9 @@ Inputs stay in the caller's layout: ``k [B,Tp,H,d]``, ``v [B,Tp,H,dv]`` (strided
 of two >= 16 and ``dv`` a multiple of 64 (the caller pads), taken 128 (or 64) columns at a time.
 ``forward`` gives ``W [B,Tp,H,d]`` and ``U [B,Tp,H,dv]`` in the input dtype and the inverse
 ``X = (I + A)⁻¹ [B,H,Tp,c]`` float32 (working on row blocks of ``cb`` tokens), ``backward`` from
-that ``X`` the cotangents ``dk, dv, dbeta`` for ``b`` held fixed (``dk`` with the walks' part
-added) and its share of the gate's gradient.
+that ``X`` the cotangents ``dk, dv, dbeta`` for ``b`` held fixed and its share of the gate's
+gradient (the block form of log-linear Gated DeltaNet's, ``kernels/gdn_blocks.py``, which also
+hands it ``T``'s own cotangent; the first-order kernel's backward is ``gdn_ut_mgpu.py``'s).
 """
 
 from __future__ import annotations
@@ -89,12 +90,10 @@ def forward(k, v, b, beta, *, c=64, cb=32, num_warps=4, interpret=False):
 
 
 @functools.partial(jax.jit, static_argnames=("c", "kt", "num_warps", "interpret"))
-def backward(k, v, b, beta, x, dw, du, *, dk_walk=None, dt=None, c=64, kt=64, num_warps=4,
-             interpret=False):
+def backward(k, v, b, beta, x, dw, du, *, dt=None, c=64, kt=64, num_warps=4, interpret=False):
     """``(dk, dv, dbeta, db)`` from the forward's ``x``, the cotangents ``du [B,Tp,H,dv]`` and
-    ``dw [B,Tp,H,d]``, the walks' part ``dk_walk [B,Tp,H,d]`` of ``dK`` and the cotangent ``dt
-    [B,H,Tp,c]`` float32 of ``T = X diag(β)`` itself (``None``: none; it adds to ``dT``):
-    ``dk`` in ``k``'s dtype (``dk_walk`` added), ``dv`` in ``v``'s, the rest float32
+    ``dw [B,Tp,H,d]`` and the cotangent ``dt [B,H,Tp,c]`` float32 of ``T = X diag(β)`` itself
+    (``None``: none; it adds to ``dT``): ``dk`` in ``k``'s dtype, ``dv`` in ``v``'s, the rest float32
     ``[B,H,Tp]`` (``db`` the UT transform's share of ``∂L/∂b``, ``gdn_chunk``).  Three loops
     over tiles of ``kt`` columns keep the registers to ``[c,kt]`` tiles: values (``dV``,
     ``dU Vᵀ``), keys (``dT``, ``K Kᵀ``), keys again (``dK``)."""
@@ -103,13 +102,10 @@ def backward(k, v, b, beta, x, dw, du, *, dk_walk=None, dt=None, c=64, kt=64, nu
     if d % kt or dv % kt:
         raise ValueError(f"gdn_ut.backward: kt={kt} must divide d={d} of k [B,T,H,d] and dv={dv} "
                          f"of v [B,T,H,dv]")
-    extra = [a for a in (dk_walk, dt) if a is not None]
+    extra = [dt] if dt is not None else []
 
     def kernel(k_ref, v_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref, *refs):
-        refs = list(refs)
-        dkw_ref = refs.pop(0) if dk_walk is not None else None
-        dt_ref = refs.pop(0) if dt is not None else None
-        dk_ref, dv_ref, dbeta_ref, db_ref = refs
+        *dt_ref, dk_ref, dv_ref, dbeta_ref, db_ref = refs
         i, h, ts = pl.program_id(0), pl.program_id(1), _rows(c)
         bb, beta, X = b_ref[i, h, ts], beta_ref[i, h, ts], x_ref[i, h, ts, :]
         kdt, r = k_ref.dtype, jnp.exp(bb)
@@ -128,13 +124,11 @@ def backward(k, v, b, beta, x, dw, du, *, dk_walk=None, dt=None, c=64, kt=64, nu
             K = k_ref[i, ts, h, cols]
             dK, kdw = gdn_chunk.ut_backward_keys(X, r, beta, bE, K,
                                                  dw_ref[i, ts, h, cols].astype(F32))
-            if dkw_ref is not None:
-                dK = dK + dkw_ref[i, ts, h, cols]
             dk_ref[i, ts, h, cols] = dK.astype(dk_ref.dtype)
             return db + kdw
 
         cc = jnp.zeros((c, c), F32)
-        duv = _over_tiles(kt, dv // kt, value_tile, cc if dt_ref is None else dt_ref[i, h, ts, :])
+        duv = _over_tiles(kt, dv // kt, value_tile, dt_ref[0][i, h, ts, :] if dt_ref else cc)
         dTm, KK = _over_tiles(kt, d // kt, key_tile, (duv, cc))
         bE, dbeta_ref[i, h, ts], db = gdn_chunk.ut_backward_gram(X, bb, beta, KK, dTm, fast)
         db_ref[i, h, ts] = _over_tiles(kt, d // kt, key_grad, db)

@@ -7,7 +7,7 @@ Grid ``(B, H, N)`` with the inputs moved to ``[B,H,Tp,·]`` (every block's last 
 ``(c, ·)``, as in ``tpu/walk.py``), one value tile.  ``ut_forward``, ``grads`` and
 ``ut_backward`` are parallel over chunks; ``walk_out`` and ``walk_rev`` walk the chunks in order
 (in reverse) with the float32 state ``d×dv`` (its cotangent) in VMEM scratch, writing the state
-met at every chunk (``[B,H,N,d,dv]`` in the inputs' dtype).  ``W, U, V', dU, −dV'``, the
+met at every chunk (``[B,H,N,d,dv]`` in the inputs' dtype).  ``W, U, V', −dV'``, the
 ``dK``/``dW`` shares and ``X [B,H,Tp,c]`` stay heads-first between the steps; per-token rows
 travel as ``[B,H,N,R,c]`` blocks.
 """
@@ -78,27 +78,33 @@ def ut_forward(k, v, b, beta, *, interpret):
 
 def _walk(step, q, k, w, x, b, s0, *, rev, interpret):
     """One walk over the chunks (in reverse when ``rev``) from ``s0``: per chunk
-    ``step(Q, K, W, X, b, S) -> (a float32 [c,dv] tile, a [c,dv] tile in q's dtype, the next S)``
-    (``gdn_chunk.walk_forward`` / ``walk_backward``); also writes the ``S`` met at every chunk
-    ``[B,H,N,d,dv]`` in q's dtype and the last one ``[B,H,d,dv]`` float32."""
+    ``step(Q, K, W, X, b, S) -> (the [c,dv] tiles, the next S)``: forward a float32 one and one in
+    q's dtype (``gdn_chunk.walk_forward``), in reverse one in q's dtype (``walk_backward``); also
+    writes the ``S`` met at every chunk ``[B,H,N,d,dv]`` in q's dtype and the last one
+    ``[B,H,d,dv]`` float32."""
     B, H, Tp, d = w.shape
     dv, N = x.shape[-1], Tp // C
     tile, gate = _specs(C, N, rev=rev)
     s_shape, s_block = _states(B, H, N, d, dv, q.dtype, (lambda n: N - 1 - n) if rev else (lambda n: n))
     end_shape, end_block = _end(B, H, d, dv)
 
-    def kernel(q_ref, k_ref, w_ref, x_ref, b_ref, s0_ref, f_ref, h_ref, s_ref, end_ref, S_ref):
+    tiles = [q.dtype] if rev else [F32, q.dtype]
+
+    def kernel(q_ref, k_ref, w_ref, x_ref, b_ref, s0_ref, *refs):
+        *t_refs, s_ref, end_ref, S_ref = refs
         _start(S_ref, s0_ref)
         S = S_ref[...]
         s_ref[...] = S.astype(s_ref.dtype)
-        f_ref[...], h_ref[...], S_ref[...] = step(q_ref[...], k_ref[...], w_ref[...], x_ref[...],
-                                                  b_ref[0], S)
+        out = step(q_ref[...], k_ref[...], w_ref[...], x_ref[...], b_ref[0], S)
+        for ref, t in zip(t_refs, out[:-1]):
+            ref[...] = t
+        S_ref[...] = out[-1]
         _store_last(S_ref, end_ref, N)
 
     value = lambda dt: jax.ShapeDtypeStruct((B, H, Tp, dv), dt)  # noqa: E731
-    return _call(kernel, [value(F32), value(q.dtype), s_shape, end_shape],
+    return _call(kernel, [*map(value, tiles), s_shape, end_shape],
                  [tile(d), tile(d), tile(d), tile(dv), gate, end_block],
-                 [tile(dv), tile(dv), s_block, end_block], (B, H, N), True, interpret,
+                 [*(tile(dv) for _ in tiles), s_block, end_block], (B, H, N), True, interpret,
                  heads_first(q), heads_first(k), w, x, _by_chunk(b[:, :, None], C), s0,
                  state=(d, dv))
 
@@ -110,8 +116,8 @@ def walk_out(q, k, w, u, b, h0, *, interpret):
 
 
 def walk_rev(q, k, w, do, b, dhT, *, interpret):
-    """``(dU float32, −dV', dS, dH0)`` by the reverse walk from ``dhT``; ``dS [B,H,N,d,dv]`` the
-    cotangent of the state leaving each chunk."""
+    """``(−dV', dS, dH0)`` by the reverse walk from ``dhT``; ``dS [B,H,N,d,dv]`` the cotangent
+    of the state leaving each chunk."""
     return tuple(_walk(gdn_chunk.walk_backward, q, k, w, heads_first(do), b, dhT, rev=True,
                        interpret=interpret))
 
@@ -144,19 +150,19 @@ def grads(q, k, vn, do, ndu, s, ds, b, *, interpret):
     return heads_first(dq), dk, dw, _from_chunks(sums)[:, :, 0]
 
 
-def ut_backward(k, v, b, beta, x, dw, du, dk, *, interpret):
+def ut_backward(k, v, b, beta, x, dw, ndu, dk, *, interpret):
     """``(dK [B,Tp,H,d] in k's dtype (the walk's part added), dV in v's, dβ, ∂L/∂b [B,H,Tp])``
-    (the UT transform's share) from the forward's ``x`` and the cotangents ``dw, du`` and ``dk``
-    (the walk's part), every chunk at once."""
+    (the UT transform's share) from the forward's ``x`` and the cotangents ``dw``, ``ndu = −dU``
+    and ``dk`` (the walk's part), every chunk at once."""
     B, Tp, H, d = k.shape
     dv, N = v.shape[-1], Tp // C
     tile, gate = _specs(C, N)
     rows_shape, rows_block = _rows_out(B, H, N, 2)
 
-    def kernel(k_ref, v_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref, dkw_ref,
+    def kernel(k_ref, v_ref, b_ref, beta_ref, x_ref, dw_ref, ndu_ref, dkw_ref,
                dk_ref, dv_ref, rows_ref):
-        K, V, X, bt, dU, dW = (k_ref[...], v_ref[...], x_ref[...], beta_ref[0], du_ref[...],
-                               dw_ref[...])
+        K, V, X, bt, dU, dW = (k_ref[...], v_ref[...], x_ref[...], beta_ref[0],
+                               -ndu_ref[...].astype(F32), dw_ref[...])
         fast = K.dtype == jnp.bfloat16
         dV = gdn_chunk.ut_backward_values(X, bt, dU, fast)
         dK, dbeta, db = gdn_chunk.ut_backward(K, b_ref[0], bt, X, dW,
@@ -172,5 +178,5 @@ def ut_backward(k, v, b, beta, x, dw, du, dk, *, interpret):
         [tile(d), tile(dv), gate, gate, tile(C), tile(d), tile(dv), tile(d)],
         [tile(d), tile(dv), rows_block], (B, H, N), False, interpret,
         heads_first(k), heads_first(v), _by_chunk(b[:, :, None], C),
-        _by_chunk(beta[:, :, None], C), x, dw, du, dk)
+        _by_chunk(beta[:, :, None], C), x, dw, ndu, dk)
     return (heads_first(dk_), heads_first(dv_), *jnp.unstack(_from_chunks(rows), axis=2))

@@ -1,0 +1,183 @@
+"""Gated DeltaNet's UT-transform backward on Hopper: one Mosaic GPU CTA per (batch, head, chunk),
+every product on the tensor cores (``wgmma``, 16-bit operands, float32 accumulation).
+
+The math of ``gdn_chunk.ut_backward`` (``T = X diag(β)``, ``ρ = 2^{b2}``), with ``(X diag β)ᵀ Y =
+β∘(Xᵀ Y)`` so that only ``X`` enters a product, and ``dW (ρ∘K)ᵀ = (dW Kᵀ) diag(ρ)`` so that ``ρ∘K``
+is never rounded to 16 bits::
+
+    dT = (dW Kᵀ) diag(ρ) + dU Vᵀ,   dV = β∘(Xᵀ dU),   dX = dT diag(β)
+    E = strict_tril(−Xᵀ dX Xᵀ) ∘ Γ,   dβ = cols(X∘dT) + rows(E∘(K Kᵀ))
+    dK = ρ∘β∘(Xᵀ dW) + (β∘E) K + (β∘E)ᵀ K + dK_walk
+    ∂L/∂b ⊇ rows(M) − cols(M) + k·(ρ∘β∘(Xᵀ dW)),   M = (β∘E) ∘ (K Kᵀ)
+
+``X`` (float32 from the forward) enters as two 16-bit halves, ``X = X_hi + X_lo`` (a single 16-bit
+``X`` is not accurate enough on ill-conditioned keys), and so do ``dX`` and ``Xᵀ dX``; ``dU``
+comes from the reverse walk as ``−dV'`` in 16 bits.  Column sums are float32 reductions over the
+rows, so each pair's term in ``rows(M) − cols(M)`` cancels in the gate's cumulative sum.  The
+values go in tiles of 128 columns (64 when ``dv`` is an odd multiple of 64): a first pass sums
+``dU Vᵀ`` over them, a second gives ``dV`` (one tile: it stays in shared memory between the
+two).  Buffers whose lifetimes do not overlap share shared memory (``V`` then ``dK_walk``,
+``dW`` then ``dV``, ``X`` then ``dX``, ``K`` then ``dK``), so at ``d = dv = 128`` a CTA takes
+98 KiB and two share an SM.
+
+Inputs in the caller's layout: ``k, dW, dK_walk [B,Tp,H,d]`` 16-bit with ``d ∈ {64, 128}``,
+``v, −dU [B,Tp,H,dv]`` with ``dv`` a multiple of 64, ``x [B,H,Tp,C]`` float32, ``b2`` (local
+log2-decay) and ``β`` ``[B,H,Tp]`` float32.  Returns ``dk [B,Tp,H,d]``, ``dv [B,Tp,H,dv]`` in the
+input dtype and ``dβ``, ``∂L/∂b`` ``[B,H,Tp]`` float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from hla_jax.kernels.gpu.la_mgpu import (
+    COLS,
+    F32,
+    ROWS,
+    WGMMA,
+    C,
+    bcast_cols,
+    bcast_rows,
+    build,
+    matmul,
+    smem_tile,
+)
+
+
+def _strict_decay(b_row, b_col):
+    """``Γ = 2^{b_t − b_s}`` on ``s < t``, 0 elsewhere (masked before ``exp2``)."""
+    rows = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+    cols = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+    expo = bcast_rows(b_row, (C, C)) - bcast_cols(b_col, (C, C))
+    return jnp.exp2(jnp.where(rows > cols, expo, -jnp.inf))
+
+
+def backward(k, v, b2, beta, x, dw, ndu, dk_walk, *, interpret=None):
+    """``(dk, dv, dβ, ∂L/∂b)`` (module docstring); ``ndu = −dU``."""
+    B, Tp, H, d = k.shape
+    dv, dt, N = v.shape[-1], k.dtype, Tp // C
+    bv = 128 if dv % 128 == 0 else 64
+    nv = dv // bv
+    _mm = functools.partial(matmul, interpret=bool(interpret))
+    cc = smem_tile((C, C), dt)
+
+    def tile(width):
+        return smem_tile((C, width), dt)
+
+    scratch = dict(
+        k_s=tile(d), ndu_s=tile(bv), xh_s=cc, xl_s=cc,
+        v_dkw=plgpu.RefUnion(tile(bv), tile(d)),                   # V, then dK_walk
+        dw_dv=plgpu.RefUnion(tile(d), tile(bv)),                   # dW, then dV out
+        x_cc=plgpu.RefUnion(plgpu.SMEM((C, C), F32), (cc, cc)),    # X, then two 16-bit tiles
+        vecs=plgpu.SMEM((6, C), F32),     # b2, b2, β, β (read as rows, as columns); dβ, ∂L/∂b
+        bar=plgpu.Barrier(num_arrivals=7), vbar=plgpu.Barrier(num_arrivals=2),
+        nbar=plgpu.Barrier(num_arrivals=1), late=plgpu.Barrier(num_arrivals=1))
+
+    def body(k_ref, v_ref, b_ref, beta_ref, x_ref, dw_ref, ndu_ref, dkw_ref,
+             dk_ref, dv_ref, dbeta_ref, db_ref, *, k_s, ndu_s, xh_s, xl_s, v_dkw, dw_dv, x_cc,
+             vecs, bar, vbar, nbar, late):
+        bi, hi, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+        rows = pl.ds(n * C, C)
+        (v_s, dkw_s), (dw_s, dvo_s), (x_s, (p_s, q_s)) = v_dkw, dw_dv, x_cc
+
+        def values(ref, t):
+            return ref.at[bi, rows, hi, pl.ds(t * bv, bv)]
+
+        def load_values(t):
+            plgpu.copy_gmem_to_smem(values(v_ref, t), v_s, vbar)
+            plgpu.copy_gmem_to_smem(values(ndu_ref, t), ndu_s, vbar)
+
+        for ref, buf in ((k_ref, k_s), (dw_ref, dw_s)):
+            plgpu.copy_gmem_to_smem(ref.at[bi, rows, hi], buf, bar)
+        plgpu.copy_gmem_to_smem(x_ref.at[bi, hi, rows], x_s, bar)
+        for i, ref in enumerate((b_ref, b_ref, beta_ref, beta_ref)):
+            plgpu.copy_gmem_to_smem(ref.at[bi, hi, rows], vecs.at[i], bar)
+        load_values(0)
+        plgpu.barrier_wait(bar)
+
+        def put(y, h_s, l_s=None):
+            """``y`` into ``h_s`` in 16 bits (and what that leaves into ``l_s``), between two
+            warpgroup barriers: no warp overwrites a tile another still reads."""
+            plgpu.commit_smem()
+            h_s[...] = y.astype(dt)
+            if l_s is not None:
+                l_s[...] = (y - y.astype(dt).astype(F32)).astype(dt)
+            plgpu.commit_smem()
+
+        b_row, b_col = plgpu.load(vecs.at[0], layout=ROWS), plgpu.load(vecs.at[1], layout=COLS)
+        beta_row, beta_col = plgpu.load(vecs.at[2], layout=ROWS), plgpu.load(vecs.at[3], layout=COLS)
+        rho = jnp.exp2(b_row)
+        K = plgpu.load(k_s, layout=WGMMA).astype(F32)
+        X = plgpu.load(x_s, layout=WGMMA)
+        put(X, xh_s, xl_s)                                         # x_s is free from here
+        dT = _mm(dw_s, k_s.T, (C, C)) * bcast_cols(jnp.exp2(b_col), (C, C))   # dW (ρ∘K)ᵀ
+
+        def add_duv(t, dT):                                        # − (−dU) Vᵀ, tile t
+            plgpu.barrier_wait(vbar)
+            dT = dT - _mm(ndu_s, v_s.T, (C, C))
+
+            @pl.when(t + 1 < nv)
+            def _next():
+                load_values(t + 1)
+            return dT
+
+        dT = lax.fori_loop(0, nv, add_duv, dT)
+        plgpu.copy_gmem_to_smem(dkw_ref.at[bi, rows, hi], dkw_s, late)   # over V
+        KK = _mm(k_s, k_s.T, (C, C))
+        XhT, XlT = (plgpu.load(s_.T, layout=WGMMA) for s_ in (xh_s, xl_s))
+
+        def xt_dot(y, width):
+            """``Xᵀ y`` for a 16-bit tile ``y [C, width]`` in shared memory."""
+            return _mm(XhT, y, (C, width)) + _mm(XlT, y, (C, width))
+
+        put(dT * bcast_cols(beta_col, (C, C)), p_s, q_s)           # dX = dT diag(β)
+        m = xt_dot(p_s, C) + _mm(XhT, q_s, (C, C))                 # Xᵀ dX
+        put(m, p_s, q_s)
+        dA = -(_mm(p_s, xh_s.T, (C, C)) + _mm(p_s, xl_s.T, (C, C)) + _mm(q_s, xh_s.T, (C, C)))
+        E = dA * _strict_decay(b_row, b_col)
+        bE = bcast_rows(beta_row, (C, C)) * E
+        M = bE * KK
+        vecs[4] = (X * dT).sum(0)                                  # column sums, as rows
+        vecs[5] = M.sum(0)
+        dKW = xt_dot(dw_s, d) * bcast_rows(rho * beta_row, (C, d))
+        put(bE, p_s)
+        dbeta = (E * KK).sum(1) + plgpu.load(vecs.at[4], layout=ROWS)
+        db = M.sum(1) - plgpu.load(vecs.at[5], layout=ROWS) + (K * dKW).sum(1)
+        BeT = plgpu.load(p_s.T, layout=WGMMA)
+        plgpu.barrier_wait(late)
+        dK = (dKW + _mm(p_s, k_s, (C, d)) + _mm(BeT, k_s, (C, d))
+              + plgpu.load(dkw_s, layout=WGMMA).astype(F32))
+
+        def value_grad(t, carry):                                  # dV = β∘(Xᵀ dU), tile t
+            if nv > 1:                                             # (one tile: still in ndu_s)
+                plgpu.copy_gmem_to_smem(values(ndu_ref, t), ndu_s, nbar)
+                plgpu.barrier_wait(nbar)
+            dV = -xt_dot(ndu_s, bv) * bcast_rows(beta_row, (C, bv))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)       # tile t − 1's store
+            dvo_s[...] = dV.astype(dt)                             # over dW
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dvo_s, values(dv_ref, t))
+            return carry
+
+        lax.fori_loop(0, nv, value_grad, 0)
+        k_s[...] = dK.astype(dt)                                   # dK out over K
+        plgpu.commit_smem()                                        # the column sums are read
+        vecs[4] = dbeta
+        vecs[5] = db
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_s, dk_ref.at[bi, rows, hi], commit_group=False)
+        plgpu.copy_smem_to_gmem(vecs.at[4], dbeta_ref.at[bi, hi, rows], commit_group=False)
+        plgpu.copy_smem_to_gmem(vecs.at[5], db_ref.at[bi, hi, rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = [jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt),
+                jax.ShapeDtypeStruct((B, H, Tp), F32), jax.ShapeDtypeStruct((B, H, Tp), F32)]
+    return build(body, out_type, scratch, (B, H, N), ("b", "h", "n"), interpret, "gdn_ut_bwd")(
+        k, v, b2, beta, x, dw, ndu, dk_walk)
