@@ -163,13 +163,21 @@ def table(res: dict) -> str:
 
 
 def plot(res: dict):
+    """Training curves, then (when the runs evaluated periodically) the held-out loss by step on
+    a linear scale with each mixer's lowest starred, loss by position, NIAH accuracy and gain."""
     T = res["settings"]["seq_len"]
-    fig, (a, b, c, d) = common.figure(4, figsize=(19, 4))
+    periodic = any(len(e.get("eval_curve") or ()) > 1 for e in res["runs"].values())
+    fig, axes = common.figure(4 + periodic, figsize=(19 + 5 * periodic, 4))
+    a, b, c, d = axes[:1] + axes[1 + periodic:]
     for e in res["runs"].values():
         steps, losses = zip(*e["curve"])
         line, = a.plot(steps, losses, lw=1, label=e["label"])
         if e.get("eval_curve"):
             a.plot(*zip(*e["eval_curve"]), "o", ms=3, color=line.get_color())
+        if periodic and e.get("eval_curve"):
+            axes[1].plot(*zip(*e["eval_curve"]), marker="o", ms=3, color=line.get_color())
+            axes[1].plot(*min(e["eval_curve"], key=lambda p: p[1]), "*", ms=10,
+                         color=line.get_color())
         mids = [np.sqrt(k["lo"] * (k["hi"] - 1)) for k in e["buckets"] if k["loss"] is not None]
         b.plot(mids, [k["loss"] for k in e["buckets"] if k["loss"] is not None], marker="o",
                color=line.get_color(), label=e["label"])
@@ -182,6 +190,11 @@ def plot(res: dict):
             d.plot(*zip(*pts), marker="o", color=line.get_color())
     a.set(xlabel="step", ylabel="loss (nats/byte)", title="training (line: train, dots: eval)",
           yscale="log")
+    if periodic:
+        lows = [min(v for _, v in e["eval_curve"]) for e in res["runs"].values()
+                if e.get("eval_curve")]
+        axes[1].set(xlabel="step", ylabel="eval loss (nats/byte)", ylim=(min(lows) - 0.02,
+                    max(lows) + 0.12), title="held-out loss by step (star: lowest)")
     b.axvline(T, color="gray", ls=":", lw=1)
     b.set(xscale="log", xlabel="token position", ylabel="eval loss (nats/byte)",
           title=f"loss by position (bucket means; right of {T}: beyond training)")
@@ -193,7 +206,7 @@ def plot(res: dict):
     for ax in (c, d):
         ax.set_xticks([T, 2 * T], [str(T), str(2 * T)])
         ax.minorticks_off()
-    for ax in (a, b, c, d):
+    for ax in axes:
         ax.grid(alpha=0.3)
     a.legend(fontsize=7)
     return fig
