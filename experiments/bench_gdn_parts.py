@@ -1,10 +1,10 @@
 """Where the Gated DeltaNet kernel's time goes, on a Hopper GPU: the UT transform
 (``kernels/gpu/gdn_ut.py``) and its backward (``kernels/gpu/gdn_ut_mgpu.py``), each Mosaic GPU walk
 (``kernels/gpu/gdn_mgpu.py``: ``out`` forward, ``rev`` backward), the walk's chunk-parallel
-products (``kernels/gpu/gdn_grads_mgpu.py``), the whole ``kernels.gdn.core`` forward and backward, and
-what is left for XLA's glue, median ms; with ``--sweep ut`` also the UT settings that were chosen
-this way: ``ut_fwd_cb16`` (row blocks of 16 tokens instead of 32) and ``ut_fwd_w{2,8}`` (2
-and 8 Triton warps instead of 4).
+products (``kernels/gpu/gdn_grads_mgpu.py``), the whole ``kernels.gdn.core`` forward and backward,
+and what is left for XLA's glue (``gates``: its gate and ``β`` preparation alone), median ms;
+with ``--sweep ut`` also the UT settings that were chosen this way: ``ut_fwd_cb16`` (row blocks
+of 16 tokens instead of 32) and ``ut_fwd_w{2,8}`` (2 and 8 Triton warps instead of 4).
 
     python experiments/bench_gdn_parts.py [--T 8192] [--tokens 65536] [--shape 16,128,128]
         [--repeats 10] [--name bench_gdn_parts_gpu] [--sweep ut] [--out DIR]
@@ -79,7 +79,9 @@ def main(argv=None):
     bwd = jax.jit(lambda res, cts: gdn._core_bwd(a.interpret, "gpu", res, cts))
     row = dict(device=jax.devices()[0].device_kind, B=B, T=T, shape=list(shape),
                **{name: timeit(f, *x) for name, (f, x) in parts.items()},
-               fwd=timeit(fwd, *args), bwd=timeit(bwd, res, (core["do"].astype(jnp.float32), hT)))
+               fwd=timeit(fwd, *args), bwd=timeit(bwd, res, (core["do"].astype(jnp.float32), hT)),
+               gates=timeit(jax.jit(lambda beta, g: (gdn._local(g), gdn._heads_first(beta))),
+                            *args[3:5]))
     if "ut" in a.sweep:
         ut_fwd_args = parts["ut_fwd"][1]
         for name, kw in (("cb16", dict(cb=16)), ("w2", dict(num_warps=2)), ("w8", dict(num_warps=8))):

@@ -235,7 +235,7 @@ def test_bench_gdn_parts_times_each_step_in_the_interpreters(tmp_path):
                                 "--repeats", "1", "--sweep", "ut", "--interpret",
                                 "--out", str(tmp_path), "--name", "tiny"])
     assert json.loads((tmp_path / "tiny.json").read_text()) == json.loads(json.dumps(row))
-    timed = ("ut_fwd", "walk_out", "walk_rev", "grads", "ut_bwd", "fwd", "bwd",
+    timed = ("ut_fwd", "walk_out", "walk_rev", "grads", "ut_bwd", "fwd", "bwd", "gates",
              "ut_fwd_cb16", "ut_fwd_w2", "ut_fwd_w8")
     assert all(row[name] > 0 for name in timed), row
 
