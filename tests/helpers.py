@@ -1,5 +1,6 @@
 """Test helpers shared by the operator tests."""
 
+import contextlib
 import os
 
 import jax
@@ -116,6 +117,24 @@ def assert_forms_match(entry, args, want, tol: float, dtype, forms=("recurrent",
         out = entry(*args, impl=impl, **kw)
         assert out.dtype == dtype, f"{impl}: dtype {out.dtype}"
         assert_close(out, want, tol, impl)
+
+
+@contextlib.contextmanager
+def compilation_cache_restored():
+    """JAX's persistent-compilation-cache settings (and its open cache) as they were, on exit: a
+    module that turns the cache on must not leave it on for the modules an xdist worker runs
+    after it (a later test then serialised its CPU program into the cache and crashed there)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {n: getattr(jax.config, n) for n in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
 
 
 def lower_for(platform: str, fn, *args) -> str:

@@ -14,7 +14,7 @@ from scipy.stats import chi2_contingency
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from helpers import assert_close  # noqa: E402
+from helpers import assert_close, compilation_cache_restored  # noqa: E402
 
 from experiments import common, mqar  # noqa: E402
 from hla_jax import data  # noqa: E402
@@ -126,8 +126,10 @@ def _outputs(out, stem):
 
 @pytest.fixture(scope="module")
 def jit_cache(tmp_path_factory):
-    """One persistent compilation cache for the file: programs of equal shapes compile once."""
-    return str(tmp_path_factory.mktemp("jit"))
+    """One persistent compilation cache for the file: programs of equal shapes compile once
+    (turned off again after the file)."""
+    with compilation_cache_restored():
+        yield str(tmp_path_factory.mktemp("jit"))
 
 
 # A task a tiny softmax model learns in tens of steps at lr 3e-2 (not at 1e-4); all protocol tests

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import devices_env
+from helpers import compilation_cache_restored, devices_env
 from jax.experimental.compilation_cache import compilation_cache
 
 from hla_jax import data
@@ -37,16 +37,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def compile_cache(tmp_path_factory):
     """A persistent compilation cache for this module: repeated runs of one config (resume)
     compile once. Restored afterwards."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    saved = {n: getattr(jax.config, n) for n in names}
-    for name, value in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0, 0)):
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
+    with compilation_cache_restored():
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        compilation_cache.reset_cache()
+        yield
 
 
 def load_config(name: str, arg: str):
