@@ -45,17 +45,10 @@ from hla_jax.kernels.gpu.la_mgpu import (
     bcast_cols,
     bcast_rows,
     build,
+    causal_decay,
     matmul,
     smem_tile,
 )
-
-
-def _strict_decay(b_row, b_col):
-    """``Γ = 2^{b_t − b_s}`` on ``s < t``, 0 elsewhere (masked before ``exp2``)."""
-    rows = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
-    cols = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
-    expo = bcast_rows(b_row, (C, C)) - bcast_cols(b_col, (C, C))
-    return jnp.exp2(jnp.where(rows > cols, expo, -jnp.inf))
 
 
 def backward(k, v, b2, beta, x, dw, ndu, dk_walk, *, interpret=None):
@@ -140,7 +133,7 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk, *, interpret=None):
         m = xt_dot(p_s, C) + _mm(XhT, q_s, (C, C))                 # Xᵀ dX
         put(m, p_s, q_s)
         dA = -(_mm(p_s, xh_s.T, (C, C)) + _mm(p_s, xl_s.T, (C, C)) + _mm(q_s, xh_s.T, (C, C)))
-        E = dA * _strict_decay(b_row, b_col)
+        E = dA * causal_decay(b_row, b_col, (C, C), strict=True)
         bE = bcast_rows(beta_row, (C, C)) * E
         M = bE * KK
         vecs[4] = (X * dT).sum(0)                                  # column sums, as rows

@@ -107,15 +107,18 @@ def bcast_cols(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
 
-def causal_decay(b_row, b_col, shape, transpose=False):
-    """``Γ = exp2(b_t − b_s)`` on ``s ≤ t`` and 0 elsewhere (``transpose``: ``Γᵀ``, rows ``s``);
-    the exponent is masked before ``exp2``, so nothing overflows."""
+def causal_decay(b_row, b_col, shape, transpose=False, strict=False):
+    """``Γ = exp2(b_t − b_s)`` on ``s ≤ t`` (``strict``: ``s < t``) and 0 elsewhere
+    (``transpose``: ``Γᵀ``, rows ``s``); the exponent is masked before ``exp2``, so nothing
+    overflows."""
     rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA)
     cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
     if transpose:
-        keep, expo = rows <= cols, bcast_cols(b_col, shape) - bcast_rows(b_row, shape)
+        keep = rows < cols if strict else rows <= cols
+        expo = bcast_cols(b_col, shape) - bcast_rows(b_row, shape)
     else:
-        keep, expo = rows >= cols, bcast_rows(b_row, shape) - bcast_cols(b_col, shape)
+        keep = rows > cols if strict else rows >= cols
+        expo = bcast_rows(b_row, shape) - bcast_cols(b_col, shape)
     return jnp.exp2(jnp.where(keep, expo, -jnp.inf))
 
 
