@@ -283,57 +283,43 @@ def test_mosaic_products_match_the_chunk_math(rng, d, dv):
     assert_close(got[3].sum(0), db.reshape(B, H, Tp), 1e-5, "db")
 
 
-def test_ut_backward_by_tiles_equals_the_whole(rng):
-    """``gdn_ut.backward`` in tiles of 64 columns (the default: two key and two value tiles at
-    d=dv=128) gives what tiles of all 128 columns give, without and with ``T``'s own cotangent
-    ``dt``."""
-    from hla_jax.kernels.gpu import gdn_ut
-
-    B, Tp, H, d, dv = 1, 128, 1, 128, 128
-    bf = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)  # noqa: E731
-    k = bf(B, Tp, H, d) / jnp.sqrt(d).astype(jnp.bfloat16)
-    v, dw = bf(B, Tp, H, dv), bf(B, Tp, H, d)
-    du = jnp.asarray(rng.normal(size=(B, Tp, H, dv)), jnp.float32)
-    dt = jnp.asarray(rng.normal(size=(B, H, Tp, 64)), jnp.float32)
-    b = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.1, (B, H, 2, 64)), jnp.float32), -1)
-    b = b.reshape(B, H, Tp)
-    beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, H, Tp)), jnp.float32)
-    x = gdn_ut.forward(k, v, b, beta, interpret=True)[2]
-    names = ("dk", "dv", "dbeta", "db")
-    args = (k, v, b, beta, x, dw, du)
-    for extra in (dict(), dict(dt=dt)):
-        whole = gdn_ut.backward(*args, kt=128, interpret=True, **extra)
-        tiles = gdn_ut.backward(*args, kt=64, interpret=True, **extra)
-        # dk and dv are 16-bit: a float32 sum taken in another order can flip their rounding
-        for a, b_, what in zip(whole, tiles, names):
-            assert_close(b_.astype(jnp.float32), a.astype(jnp.float32), 2e-4, what)
-
-
-
-@pytest.mark.parametrize("d,dv", [(128, 128), (64, 192)])   # one value tile; three of 64
-def test_mosaic_ut_backward_matches_the_chunk_math(rng, d, dv):
+@pytest.mark.parametrize("d,dv,own", [(128, 128, False), (64, 192, True)])  # 1 / 3 value tiles
+def test_mosaic_ut_backward_matches_the_chunk_math(rng, d, dv, own):
     """``gdn_ut_mgpu.backward`` (GPU interpreter; 16-bit operands, ``X`` in two halves) against
-    the UT backward of ``gdn_chunk`` in float32 on the same inputs (``gdn_ut.backward`` at
-    "highest" precision, the walks' ``dK`` added): ``dk, dv`` to their 16-bit rounding, ``dβ``
-    and the gate's share to 1e-4."""
+    ``gdn_chunk.ut_backward`` on each chunk in float32: ``dk, dv`` to their 16-bit rounding,
+    ``dβ`` and the gate's share to 1e-4; with the walks' ``dK`` added, or (``own``, the block
+    form's way) without it and with ``T``'s own cotangent added to ``dT``."""
+    from hla_jax.kernels import gdn_chunk
     from hla_jax.kernels.gpu import gdn_ut, gdn_ut_mgpu
     from hla_jax.kernels.gpu.la_mgpu import LOG2E
 
-    B, Tp, H = 1, 128, 2
+    B, Tp, H, N = 1, 128, 2, 2
     bf = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)  # noqa: E731
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     k = f32(bf(B, Tp, H, d))
     k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
     v, dw, dkw, ndu = bf(B, Tp, H, dv), bf(B, Tp, H, d), bf(B, Tp, H, d), bf(B, Tp, H, dv)
-    b = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.1, (B, H, 2, 64)), jnp.float32), -1)
-    b = b.reshape(B, H, Tp)
+    dt = jnp.asarray(rng.normal(size=(B, H, Tp, 64)), jnp.float32)
+    b = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.1, (B, H, N, 64)), jnp.float32), -1)
     beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, H, Tp)), jnp.float32)
-    x = gdn_ut.forward(k, v, b, beta, interpret=True)[2]
-    got = gdn_ut_mgpu.backward(k, v, b * LOG2E, beta, x, dw, ndu, dkw, interpret=True)
+    x = gdn_ut.forward(k, v, b.reshape(B, H, Tp), beta, interpret=True)[2]
+    extra = dict(dt_own=dt) if own else dict(dk_walk=dkw)
+    got = gdn_ut_mgpu.backward(k, v, b.reshape(B, H, Tp) * LOG2E, beta, x, dw, ndu,
+                               interpret=True, **extra)
+
+    def chunk(K, V, bb, bt, X, dW, dU, dT):
+        dK, dbeta, db = gdn_chunk.ut_backward(K, bb, bt, X, dW, dU @ V.T + dT)
+        return dK, gdn_chunk.ut_backward_values(X, bt, dU, False), dbeta, db
+
+    tokens = lambda x: jnp.moveaxis(f32(x).reshape(B, N, 64, H, -1), 3, 1)  # noqa: E731
+    rows = lambda x: x.reshape(B, H, N, 64, -1)  # noqa: E731
     with jax.default_matmul_precision("highest"):
-        dk, dv_, dbeta, db = gdn_ut.backward(f32(k), f32(v), b, beta, x, f32(dw), -f32(ndu),
-                                             interpret=True)
-    want = (dk + f32(dkw), dv_, dbeta, db)
+        dk, dv_, dbeta, db = jax.vmap(jax.vmap(jax.vmap(chunk)))(
+            tokens(k), tokens(v), b, beta.reshape(B, H, N, 64), rows(x), tokens(dw),
+            -tokens(ndu), rows(dt) if own else jnp.zeros_like(rows(x)))
+    back = lambda x: jnp.moveaxis(x, 1, 3).reshape(B, Tp, H, -1)  # noqa: E731
+    want = (back(dk) + (0.0 if own else f32(dkw)), back(dv_), dbeta.reshape(B, H, Tp),
+            db.reshape(B, H, Tp))
     for a, e, what, tol in zip(got, want, ("dk", "dv", "dbeta", "db"), (5e-3, 5e-3, 1e-4, 1e-4)):
         assert a.shape == e.shape and a.dtype == (k.dtype if what in ("dk", "dv") else jnp.float32)
         assert_close(f32(a), e, tol, what)

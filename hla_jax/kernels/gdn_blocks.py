@@ -1,7 +1,8 @@
-"""The Triton parts of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``):
-its per-chunk terms (``chunk_terms``) from the first-order kernel's UT transform
-(``kernels/gpu/gdn_ut.py``) and one program per chunk for the rest (``kernels/gpu/gdn_terms.py``)
-instead of XLA's batched triangular solve and einsums (``loglinear_chunked.chunk_terms``).
+"""The kernel parts of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``):
+its per-chunk terms (``chunk_terms``) from the first-order kernel's UT transform and its backward
+(``kernels/gpu/gdn_ut.py``, Triton; ``kernels/gpu/gdn_ut_mgpu.py``, Mosaic GPU) and one Triton
+program per chunk for the rest (``kernels/gpu/gdn_terms.py``) instead of XLA's batched triangular
+solve and einsums (``loglinear_chunked.chunk_terms``).
 
 Per chunk of ``C = 64`` tokens, with ``ρ = exp(b)`` (``b`` the chunk-local cumulative log-decay,
 floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``), ``K̃ = (ρ_c/ρ)∘K``::
@@ -10,9 +11,10 @@ floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``
     P = (Q Kᵀ) ∘ Γ,   M = P T,   Q̂ = ρ∘Q − P W,   A_c = ρ_c I − K̃ᵀ W,   Z = K̃ᵀ U   (gdn_terms)
 
 (as ``loglinear_chunked.delta_terms`` in XLA, whose autodiff is ``gdn_terms``' backward: a
-Triton backward of its own, one program per chunk, was slower on the H200).  The UT kernel's
-backward takes ``dW``, ``dU`` and ``T``'s own cotangent ``dT`` (from ``M``), which adds to the
-``dT = dW (ρ∘K)ᵀ + dU Vᵀ`` it forms, and gives the UT transform's whole share of ``∂L/∂b``.
+Triton backward of its own, one program per chunk, was slower on the H200).  The UT
+transform's backward is the first-order kernel's, handed ``T``'s own cotangent (from ``M``) to
+add to the ``dT = dW (ρ∘K)ᵀ + dU Vᵀ`` it forms; it gives the UT transform's whole share of
+``∂L/∂b``.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.kernels import wrap
-from hla_jax.kernels.gpu import gdn_terms, gdn_ut
-from hla_jax.kernels.gpu.la_mgpu import F32, C
+from hla_jax.kernels.gpu import gdn_terms, gdn_ut, gdn_ut_mgpu
+from hla_jax.kernels.gpu.la_mgpu import F32, LOG2E, C
 from hla_jax.kernels.la_chunk import decays
 from hla_jax.ops import common
 from hla_jax.ops.loglinear_chunked import delta_terms
@@ -48,7 +50,8 @@ def _ut_fwd(k, v, b, beta, interpret):
 def _ut_bwd(interpret, res, cts):
     k, v, b, beta, x = res
     dw, du, dt = cts
-    dk, dv, dbeta, db = gdn_ut.backward(k, v, b, beta, x, dw, du, dt=dt, interpret=interpret)
+    dk, dv, dbeta, db = gdn_ut_mgpu.backward(k, v, b * LOG2E, beta, x, dw, -du, dt_own=dt,
+                                             interpret=interpret)
     return dk, dv, db, dbeta
 
 

@@ -5,10 +5,8 @@ Inputs stay in the caller's layout: ``k [B,Tp,H,d]``, ``v [B,Tp,H,dv]`` (strided
 ``b`` (the chunk-local cumulative log-decay) and ``beta`` as ``[B,H,Tp]`` float32; ``d`` a power
 of two >= 16 and ``dv`` a multiple of 64 (the caller pads), taken 128 (or 64) columns at a time.
 ``forward`` gives ``W [B,Tp,H,d]`` and ``U [B,Tp,H,dv]`` in the input dtype and the inverse
-``X = (I + A)⁻¹ [B,H,Tp,c]`` float32 (working on row blocks of ``cb`` tokens), ``backward`` from
-that ``X`` the cotangents ``dk, dv, dbeta`` for ``b`` held fixed and its share of the gate's
-gradient (the block form of log-linear Gated DeltaNet's, ``kernels/gdn_blocks.py``, which also
-hands it ``T``'s own cotangent; the first-order kernel's backward is ``gdn_ut_mgpu.py``'s).
+``X = (I + A)⁻¹ [B,H,Tp,c]`` float32 (working on row blocks of ``cb`` tokens), which the
+backward (``gdn_ut_mgpu.py``, Mosaic GPU) takes.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from hla_jax.kernels import gdn_chunk
 from hla_jax.kernels.gpu.walk import compiler_params
-from hla_jax.kernels.la_chunk import F32, dot
+from hla_jax.kernels.la_chunk import F32
 
 
 def _call(kernel, out_shape, c, num_warps, interpret, *args):
@@ -87,54 +85,3 @@ def forward(k, v, b, beta, *, c=64, cb=32, num_warps=4, interpret=False):
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, k.dtype),
                  jax.ShapeDtypeStruct((B, H, Tp, c), F32)]
     return _call(kernel, out_shape, c, num_warps, interpret, k, v, b, beta)
-
-
-@functools.partial(jax.jit, static_argnames=("c", "kt", "num_warps", "interpret"))
-def backward(k, v, b, beta, x, dw, du, *, dt=None, c=64, kt=64, num_warps=4, interpret=False):
-    """``(dk, dv, dbeta, db)`` from the forward's ``x``, the cotangents ``du [B,Tp,H,dv]`` and
-    ``dw [B,Tp,H,d]`` and the cotangent ``dt [B,H,Tp,c]`` float32 of ``T = X diag(β)`` itself
-    (``None``: none; it adds to ``dT``): ``dk`` in ``k``'s dtype, ``dv`` in ``v``'s, the rest float32
-    ``[B,H,Tp]`` (``db`` the UT transform's share of ``∂L/∂b``, ``gdn_chunk``).  Three loops
-    over tiles of ``kt`` columns keep the registers to ``[c,kt]`` tiles: values (``dV``,
-    ``dU Vᵀ``), keys (``dT``, ``K Kᵀ``), keys again (``dK``)."""
-    d, dv = k.shape[-1], v.shape[-1]
-    kt = min(kt, d)
-    if d % kt or dv % kt:
-        raise ValueError(f"gdn_ut.backward: kt={kt} must divide d={d} of k [B,T,H,d] and dv={dv} "
-                         f"of v [B,T,H,dv]")
-    extra = [dt] if dt is not None else []
-
-    def kernel(k_ref, v_ref, b_ref, beta_ref, x_ref, dw_ref, du_ref, *refs):
-        *dt_ref, dk_ref, dv_ref, dbeta_ref, db_ref = refs
-        i, h, ts = pl.program_id(0), pl.program_id(1), _rows(c)
-        bb, beta, X = b_ref[i, h, ts], beta_ref[i, h, ts], x_ref[i, h, ts, :]
-        kdt, r = k_ref.dtype, jnp.exp(bb)
-        fast = kdt == jnp.bfloat16
-
-        def value_tile(cols, duv):
-            dU, V = du_ref[i, ts, h, cols], v_ref[i, ts, h, cols]
-            dv_ref[i, ts, h, cols] = gdn_chunk.ut_backward_values(X, beta, dU, fast).astype(dv_ref.dtype)
-            return duv + dot(dU.astype(kdt), V, tb=True)
-
-        def key_tile(cols, carry):
-            return gdn_chunk.ut_backward_key_terms(k_ref[i, ts, h, cols], r, dw_ref[i, ts, h, cols],
-                                                   *carry)
-
-        def key_grad(cols, db):
-            K = k_ref[i, ts, h, cols]
-            dK, kdw = gdn_chunk.ut_backward_keys(X, r, beta, bE, K,
-                                                 dw_ref[i, ts, h, cols].astype(F32))
-            dk_ref[i, ts, h, cols] = dK.astype(dk_ref.dtype)
-            return db + kdw
-
-        cc = jnp.zeros((c, c), F32)
-        duv = _over_tiles(kt, dv // kt, value_tile, dt_ref[0][i, h, ts, :] if dt_ref else cc)
-        dTm, KK = _over_tiles(kt, d // kt, key_tile, (duv, cc))
-        bE, dbeta_ref[i, h, ts], db = gdn_chunk.ut_backward_gram(X, bb, beta, KK, dTm, fast)
-        db_ref[i, h, ts] = _over_tiles(kt, d // kt, key_grad, db)
-
-    B, Tp, H = k.shape[:3]
-    per_token = jax.ShapeDtypeStruct((B, H, Tp), F32)
-    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 per_token, per_token]
-    return _call(kernel, out_shape, c, num_warps, interpret, k, v, b, beta, x, dw, du, *extra)

@@ -5,9 +5,9 @@ The math of ``gdn_chunk.ut_backward`` (``T = X diag(β)``, ``ρ = 2^{b2}``), wit
 β∘(Xᵀ Y)`` so that only ``X`` enters a product, and ``dW (ρ∘K)ᵀ = (dW Kᵀ) diag(ρ)`` so that ``ρ∘K``
 is never rounded to 16 bits::
 
-    dT = (dW Kᵀ) diag(ρ) + dU Vᵀ,   dV = β∘(Xᵀ dU),   dX = dT diag(β)
+    dT = (dW Kᵀ) diag(ρ) + dU Vᵀ [+ dT_own],   dV = β∘(Xᵀ dU),   dX = dT diag(β)
     E = strict_tril(−Xᵀ dX Xᵀ) ∘ Γ,   dβ = cols(X∘dT) + rows(E∘(K Kᵀ))
-    dK = ρ∘β∘(Xᵀ dW) + (β∘E) K + (β∘E)ᵀ K + dK_walk
+    dK = ρ∘β∘(Xᵀ dW) + (β∘E) K + (β∘E)ᵀ K [+ dK_walk]
     ∂L/∂b ⊇ rows(M) − cols(M) + k·(ρ∘β∘(Xᵀ dW)),   M = (β∘E) ∘ (K Kᵀ)
 
 ``X`` (float32 from the forward) enters as two 16-bit halves, ``X = X_hi + X_lo`` (a single 16-bit
@@ -22,8 +22,11 @@ two).  Buffers whose lifetimes do not overlap share shared memory (``V`` then ``
 
 Inputs in the caller's layout: ``k, dW, dK_walk [B,Tp,H,d]`` 16-bit with ``d ∈ {64, 128}``,
 ``v, −dU [B,Tp,H,dv]`` with ``dv`` a multiple of 64, ``x [B,H,Tp,C]`` float32, ``b2`` (local
-log2-decay) and ``β`` ``[B,H,Tp]`` float32.  Returns ``dk [B,Tp,H,d]``, ``dv [B,Tp,H,dv]`` in the
-input dtype and ``dβ``, ``∂L/∂b`` ``[B,H,Tp]`` float32.
+log2-decay) and ``β`` ``[B,H,Tp]`` float32; optional: ``dK_walk`` (the first-order kernel's walk
+part of ``dK``) and ``dT_own [B,H,Tp,C]`` float32, the cotangent of ``T`` itself (log-linear
+Gated DeltaNet's block form, ``kernels/gdn_blocks.py``), read into ``X``'s float32 tile.
+Returns ``dk [B,Tp,H,d]``, ``dv [B,Tp,H,dv]`` in the input dtype and ``dβ``, ``∂L/∂b``
+``[B,H,Tp]`` float32.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from hla_jax.kernels.gpu.la_mgpu import (
 )
 
 
-def backward(k, v, b2, beta, x, dw, ndu, dk_walk, *, interpret=None):
+def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret=None):
     """``(dk, dv, dβ, ∂L/∂b)`` (module docstring); ``ndu = −dU``."""
     B, Tp, H, d = k.shape
     dv, dt, N = v.shape[-1], k.dtype, Tp // C
@@ -70,11 +73,18 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk, *, interpret=None):
         x_cc=plgpu.RefUnion(plgpu.SMEM((C, C), F32), (cc, cc)),    # X, then two 16-bit tiles
         vecs=plgpu.SMEM((6, C), F32),     # b2, b2, β, β (read as rows, as columns); dβ, ∂L/∂b
         bar=plgpu.Barrier(num_arrivals=7), vbar=plgpu.Barrier(num_arrivals=2),
-        nbar=plgpu.Barrier(num_arrivals=1), late=plgpu.Barrier(num_arrivals=1))
+        nbar=plgpu.Barrier(num_arrivals=1))
+    if dk_walk is not None:
+        scratch["late"] = plgpu.Barrier(num_arrivals=1)
+    if dt_own is not None:
+        scratch["tbar"] = plgpu.Barrier(num_arrivals=1)
+    extra = [a for a in (dk_walk, dt_own) if a is not None]
 
-    def body(k_ref, v_ref, b_ref, beta_ref, x_ref, dw_ref, ndu_ref, dkw_ref,
-             dk_ref, dv_ref, dbeta_ref, db_ref, *, k_s, ndu_s, xh_s, xl_s, v_dkw, dw_dv, x_cc,
-             vecs, bar, vbar, nbar, late):
+    def body(k_ref, v_ref, b_ref, beta_ref, x_ref, dw_ref, ndu_ref, *refs, k_s, ndu_s, xh_s,
+             xl_s, v_dkw, dw_dv, x_cc, vecs, bar, vbar, nbar, late=None, tbar=None):
+        *ins, dk_ref, dv_ref, dbeta_ref, db_ref = refs
+        dkw_ref = ins.pop(0) if dk_walk is not None else None
+        dt_ref = ins.pop(0) if dt_own is not None else None
         bi, hi, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         (v_s, dkw_s), (dw_s, dvo_s), (x_s, (p_s, q_s)) = v_dkw, dw_dv, x_cc
@@ -109,6 +119,8 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk, *, interpret=None):
         K = plgpu.load(k_s, layout=WGMMA).astype(F32)
         X = plgpu.load(x_s, layout=WGMMA)
         put(X, xh_s, xl_s)                                         # x_s is free from here
+        if dt_ref is not None:
+            plgpu.copy_gmem_to_smem(dt_ref.at[bi, hi, rows], x_s, tbar)
         dT = _mm(dw_s, k_s.T, (C, C)) * bcast_cols(jnp.exp2(b_col), (C, C))   # dW (ρ∘K)ᵀ
 
         def add_duv(t, dT):                                        # − (−dU) Vᵀ, tile t
@@ -121,7 +133,11 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk, *, interpret=None):
             return dT
 
         dT = lax.fori_loop(0, nv, add_duv, dT)
-        plgpu.copy_gmem_to_smem(dkw_ref.at[bi, rows, hi], dkw_s, late)   # over V
+        if dt_ref is not None:
+            plgpu.barrier_wait(tbar)
+            dT = dT + plgpu.load(x_s, layout=WGMMA)
+        if dkw_ref is not None:
+            plgpu.copy_gmem_to_smem(dkw_ref.at[bi, rows, hi], dkw_s, late)   # over V
         KK = _mm(k_s, k_s.T, (C, C))
         XhT, XlT = (plgpu.load(s_.T, layout=WGMMA) for s_ in (xh_s, xl_s))
 
@@ -143,9 +159,10 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk, *, interpret=None):
         dbeta = (E * KK).sum(1) + plgpu.load(vecs.at[4], layout=ROWS)
         db = M.sum(1) - plgpu.load(vecs.at[5], layout=ROWS) + (K * dKW).sum(1)
         BeT = plgpu.load(p_s.T, layout=WGMMA)
-        plgpu.barrier_wait(late)
-        dK = (dKW + _mm(p_s, k_s, (C, d)) + _mm(BeT, k_s, (C, d))
-              + plgpu.load(dkw_s, layout=WGMMA).astype(F32))
+        dK = dKW + _mm(p_s, k_s, (C, d)) + _mm(BeT, k_s, (C, d))
+        if dkw_ref is not None:
+            plgpu.barrier_wait(late)
+            dK = dK + plgpu.load(dkw_s, layout=WGMMA).astype(F32)
 
         def value_grad(t, carry):                                  # dV = β∘(Xᵀ dU), tile t
             if nv > 1:                                             # (one tile: still in ndu_s)
@@ -173,4 +190,4 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk, *, interpret=None):
     out_type = [jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt),
                 jax.ShapeDtypeStruct((B, H, Tp), F32), jax.ShapeDtypeStruct((B, H, Tp), F32)]
     return build(body, out_type, scratch, (B, H, N), ("b", "h", "n"), interpret, "gdn_ut_bwd")(
-        k, v, b2, beta, x, dw, ndu, dk_walk)
+        k, v, b2, beta, x, dw, ndu, *extra)
