@@ -84,43 +84,26 @@ def ut_apply(X, Ys, fast: bool):
 
 def ut_backward(K, bb, beta, X, dW, dUV):
     """``(dK [c,d], dβ [c], ∂L/∂b [c])`` (float32; ``∂L/∂b`` the UT transform's share) from the
-    forward's ``X [c,c]`` float32, ``dW`` and ``dUV = dU Vᵀ [c,c]`` (summed over value tiles by
-    the caller): ``ut_backward_key_terms``, ``ut_backward_gram`` and ``ut_backward_keys`` on the
-    whole keys."""
-    r = jnp.exp(bb)
-    dTm, KK = ut_backward_key_terms(K, r, dW, dUV, 0.0)
-    bE, dbeta, db = ut_backward_gram(X, bb, beta, KK, dTm, K.dtype == jnp.bfloat16)
-    dK, kdw = ut_backward_keys(X, r, beta, bE, K, dW)
-    return dK, dbeta, db + kdw
+    forward's ``X [c,c]`` float32, ``K, dW [c,d]`` (operands in ``K``'s dtype, ``ρ = exp(b)``) and
+    ``dUV = dU Vᵀ [c,c]`` (summed over value tiles by the caller)::
 
-
-def ut_backward_key_terms(K, r, dW, dTm, KK):
-    """``(dT + dW (ρ∘K)ᵀ, KK + K Kᵀ)`` ``[c,c]`` float32: one key tile ``K, dW [c,kt]``'s shares
-    (``r = ρ``, operands in ``K``'s dtype) added to the sums over tiles so far."""
-    dt = K.dtype
-    return dTm + dot(dW.astype(dt), (r[:, None] * K).astype(dt), tb=True), KK + dot(K, K, tb=True)
-
-
-def ut_backward_gram(X, bb, beta, KK, dTm, fast: bool):
-    """``(β∘E [c,c], dβ [c], rows(M) − cols(M) [c])`` float32 from ``K Kᵀ`` and ``dT``
-    (``[c,c]``, either summed over key and value tiles): ``E = strict_tril(−Xᵀ dX Xᵀ) ∘ Γ`` with
-    ``dX = dT diag(β)``, ``M = (β∘E) ∘ (K Kᵀ)`` (the inverse's share of ``∂L/∂b``)."""
-    Gam = decays(bb)[3]
+        dT = dUV + dW (ρ∘K)ᵀ,   E = strict_tril(−Xᵀ dX Xᵀ) ∘ Γ (dX = dT diag β),   M = (β∘E) ∘ (K Kᵀ)
+        dβ = cols(X∘dT) + rows(E∘(K Kᵀ)),   dK = ρ∘(Tᵀ dW) + (β∘E) K + (β∘E)ᵀ K
+        ∂L/∂b = rows(M) − cols(M) + k·(ρ∘(Tᵀ dW))      (the inverse's share, then W = T (ρ∘K)'s)
+    """
+    dt, fast, r = K.dtype, K.dtype == jnp.bfloat16, jnp.exp(bb)
+    dTm = dUV + dot(dW.astype(dt), (r[:, None] * K).astype(dt), tb=True)
+    KK = dot(K, K, tb=True)
     dA = -tri_dot(tri_dot(X, dTm * beta[None, :], fast, ta=True), X, fast, tb=True)
-    E = jnp.where(strict_lower(X.shape[0]), dA, 0.0) * Gam
+    E = jnp.where(strict_lower(X.shape[0]), dA, 0.0) * decays(bb)[3]
     bE = beta[:, None] * E
     M = bE * KK
-    return bE, jnp.sum(X * dTm, axis=0) + jnp.sum(E * KK, axis=1), jnp.sum(M, 1) - jnp.sum(M, 0)
-
-
-def ut_backward_keys(X, r, beta, bE, K, dW):
-    """``(dK, k·(ρ∘(Tᵀ dW)))`` of one key tile ``K, dW [c,kt]`` (``r = ρ``), float32:
-    ``dK = ρ∘(Tᵀ dW) + (β∘E) K + (β∘E)ᵀ K``; the per-token sum is ``W``'s share of ``∂L/∂b``
-    (``W = T (ρ∘K)``)."""
-    dKK = bE.astype(K.dtype)
-    dKW = r[:, None] * tri_dot(X * beta[None, :], dW, K.dtype == jnp.bfloat16, ta=True)
-    return (dKW + dot(dKK, K) + dot(dKK, K, ta=True),
-            jnp.sum(K.astype(dKW.dtype) * dKW, axis=1))
+    dKK = bE.astype(dt)
+    dKW = r[:, None] * tri_dot(X * beta[None, :], dW, fast, ta=True)
+    dK = dKW + dot(dKK, K) + dot(dKK, K, ta=True)
+    dbeta = jnp.sum(X * dTm, axis=0) + jnp.sum(E * KK, axis=1)
+    db = jnp.sum(M, 1) - jnp.sum(M, 0) + jnp.sum(K.astype(dKW.dtype) * dKW, axis=1)
+    return dK, dbeta, db
 
 
 def ut_backward_values(X, beta, dU, fast: bool):
