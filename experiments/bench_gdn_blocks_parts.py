@@ -1,8 +1,10 @@
 """Where log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``) spends its time:
 the per-chunk terms (``chunk_parts``: the UT transform and ``M``, ``Q̂``, ``A_c``, ``Z``), the
 window inside each chunk (``loglinear_chunked.window``), the chunk levels (the up-sweep and the
-running queries, ``_levels``) and the whole ``blocks``, each forward and forward+backward (the
-gradient of every float input for unit cotangents), median ms.
+running queries' reads, ``_levels``: with ``terms="kernel"`` the reads by the Triton kernel,
+``kernels.gdn_blocks.levels``, and beside them, as ``levels_xla``, XLA's pass per level) and the
+whole ``blocks``, each forward and forward+backward (the gradient of every float input for unit
+cotangents), median ms.
 
     python experiments/bench_gdn_blocks_parts.py [--T 8192] [--tokens 65536] [--shape 16,128,128]
                                                  [--terms kernel,xla] [--name …] [--out DIR]
@@ -49,15 +51,21 @@ def parts(args, terms: str, repeats: int) -> dict:
     M, Qh, A_c, Z, V, Lam = jax.jit(split)(*args)
     B, H, N, c, d = Qh.shape
     lev = fenwick.level_table(c)
+
+    def levels(kernel):
+        return timed(lambda Qh, A, Z, L: loglinear_gdn_blocks._levels(
+            Qh.reshape(B, H, N * c, d), A, Z, L, fenwick.chunk_log2(c), N, kernel=kernel),
+            Qh, A_c, Z, Lam, repeats=repeats)
+
     row = {"terms": terms,
            "chunk_parts": timed(split, *args, repeats=repeats),
            "window": timed(lambda L, M, V: loglinear_chunked.window(L.reshape(B, H, N, c, -1),
                                                                     M, V, lev), Lam, M, V,
                            repeats=repeats),
-           "levels": timed(lambda Qh, A, Z, L: loglinear_gdn_blocks._levels(
-               Qh.reshape(B, H, N * c, d), A, Z, L, fenwick.chunk_log2(c), N),
-               Qh, A_c, Z, Lam, repeats=repeats),
+           "levels": levels(terms == "kernel"),
            "whole": timed(whole, *args, repeats=repeats)}
+    if terms == "kernel":
+        row["levels_xla"] = levels(False)
     row["rest"] = tuple(row["whole"][j] - sum(row[p][j] for p in ("chunk_parts", "window", "levels"))
                         for j in range(2))
     return row

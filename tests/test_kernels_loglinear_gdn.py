@@ -164,6 +164,68 @@ def test_block_form_ut_terms_lower_for_cuda():
     assert "gdn_ut_bwd" in text
 
 
+def _levels_inputs(rng, dtype, B=1, H=2, N=13, c=16, d=16, dv=32):
+    """The chunk levels' inputs: ``Q̂ [B,H,N·c,d]``, ``Π [B,H,N,d,d]``, ``Z [B,H,N,d,dv]``,
+    ``Λ [B,H,N·c,L]`` (13 chunks: 4 chunk levels, the last blocks partial)."""
+    L = fenwick.num_levels(N * c)
+    return (jnp.asarray(rng.normal(size=(B, H, N * c, d)) * 0.5, dtype),
+            jnp.asarray(rng.normal(size=(B, H, N, d, d)) * 0.2, dtype),
+            jnp.asarray(rng.normal(size=(B, H, N, d, dv)), dtype),
+            jnp.asarray(rng.uniform(0.2, 1.5, size=(B, H, N * c, L)), jnp.float64))
+
+
+def _levels_of(N, c, kernel):
+    from hla_jax.ops import loglinear_gdn_blocks
+    return lambda *a: loglinear_gdn_blocks._levels(*a, fenwick.chunk_log2(c), N, kernel=kernel)
+
+
+def test_levels_kernel_matches_xla_x64(x64, rng):
+    """The chunk levels' Triton kernel (interpreter) against XLA's pass per level in float64:
+    output and the gradients of ``Q̂``, ``Π``, ``Z``, ``Λ`` (the walk down, ``∂λ`` and the
+    sums over right halves)."""
+    args = _levels_inputs(rng, jnp.float64)
+    ker, xla = _levels_of(13, 16, True), _levels_of(13, 16, False)
+    assert_close(ker(*args), xla(*args), 1e-12)
+    w = jnp.asarray(rng.normal(size=(1, 2, 13 * 16, 32)))
+    for name, a, b in zip(("Q̂", "Π", "Z", "Λ"), grads_of(ker, args, range(4), w),
+                          grads_of(xla, args, range(4), w)):
+        assert_close(a, b, 1e-12, "d" + name)
+
+
+def test_levels_kernel_bf16(rng):
+    """bf16 ``Q̂, Π, Z``: the kernel against the float64 levels on the same (bf16) values, as
+    close as XLA's bf16 path is (16-bit operands, float32 accumulation, ``r`` rounded per level);
+    ``d = 24``, ``dv = 20`` zero-padded to 32."""
+    with jax.enable_x64(True):
+        args = _levels_inputs(rng, jnp.float64, d=24, dv=20)
+        args = tuple(x.astype(jnp.bfloat16).astype(jnp.float64) for x in args[:3]) + args[3:]
+        exact, w = _levels_of(13, 16, False), jnp.asarray(rng.normal(size=(1, 2, 13 * 16, 20)))
+        ref = [exact(*args)] + list(grads_of(exact, args, range(4), w))
+    low = tuple(x.astype(jnp.bfloat16) for x in args[:3]) + (args[3].astype(jnp.float32),)
+    w = w.astype(jnp.float32)
+    for kernel in (True, False):
+        f = _levels_of(13, 16, kernel)
+        got = [f(*low)] + list(grads_of(f, low, range(4), w))
+        for name, a, b in zip(("o", "dQ̂", "dΠ", "dZ", "dΛ"), got, ref):
+            assert_close(a.astype(jnp.float32), b.astype(jnp.float32), 3e-2, name)
+
+
+def test_levels_kernel_lowers_for_cuda():
+    """The chunk levels' kernels, forward (with and without the saved queries) and backward, go
+    through Triton's real lowering at the benchmark's head dims 128."""
+    from hla_jax.kernels import gdn_blocks
+
+    N, c, d = 8, 64, 128
+    sweep = [(jax.ShapeDtypeStruct((1, 2, N >> (i + 1), d, d), jnp.bfloat16),
+              jax.ShapeDtypeStruct((1, 2, N >> (i + 1), d, d), jnp.bfloat16)) for i in range(3)]
+    qh = jax.ShapeDtypeStruct((1, 2, N * c, d), jnp.bfloat16)
+    lam = jax.ShapeDtypeStruct((1, 2, N * c, 3), jnp.float32)
+    loss = lambda q, s, l: jnp.sum(gdn_blocks.levels(q, s, l, c, interpret=False))
+    text = lower_for("cuda", jax.value_and_grad(loss, argnums=(0, 1, 2)), qh, sweep, lam)
+    assert text.count("__gpu$xla.gpu.triton") == 2, "the forward that saves, the backward"
+    assert "__gpu$xla.gpu.triton" in lower_for("cuda", loss, qh, sweep, lam)
+
+
 def test_reset_gate_stays_finite(rng):
     """A log-decay of -inf (a state reset) keeps the kernel and its gradients finite, and the
     tokens after it see nothing before it (the cut at 32 keeps the Fenwick levels of T = 64)."""

@@ -2,7 +2,9 @@
 its per-chunk terms (``chunk_terms``) from the first-order kernel's UT transform and its backward
 (``kernels/gpu/gdn_ut.py``, Triton; ``kernels/gpu/gdn_ut_mgpu.py``, Mosaic GPU) and one Triton
 program per chunk for the rest (``kernels/gpu/gdn_terms.py``) instead of XLA's batched triangular
-solve and einsums (``loglinear_chunked.chunk_terms``).
+solve and einsums (``loglinear_chunked.chunk_terms``); and the chunk levels' reads (``levels``:
+one Triton program per chunk carries its running query up the levels,
+``kernels/gpu/gdn_levels.py``) instead of XLA's pass per level over every token.
 
 Per chunk of ``C = 64`` tokens, with ``ρ = exp(b)`` (``b`` the chunk-local cumulative log-decay,
 floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``), ``K̃ = (ρ_c/ρ)∘K``::
@@ -23,12 +25,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hla_jax.kernels import wrap
-from hla_jax.kernels.gpu import gdn_terms, gdn_ut, gdn_ut_mgpu
+from hla_jax.kernels.gpu import gdn_levels, gdn_terms, gdn_ut, gdn_ut_mgpu
 from hla_jax.kernels.gpu.la_mgpu import F32, LOG2E, C
 from hla_jax.kernels.la_chunk import decays
 from hla_jax.ops import common
+from hla_jax.ops.loglinear_blocks import dot16, halves
 from hla_jax.ops.loglinear_chunked import delta_terms
 
 
@@ -111,3 +115,56 @@ def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
     M, Qh, A_c, Z = delta(q, k, w, u, t, b, interpret)
     chunk = lambda x: x.reshape(B, H, N, C, -1)                                 # noqa: E731
     return chunk(M), chunk(Qh), A_c, Z[..., :dv]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _read(qh, pis, zs, lam, offsets, c, interpret):
+    """``Σ_i λ_i ∘ (r_i Z_i)`` over the levels (``kernels/gpu/gdn_levels.py``)."""
+    return gdn_levels.forward(qh, pis, zs, lam, offsets=offsets, c=c, interpret=interpret)[0]
+
+
+def _read_fwd(qh, pis, zs, lam, offsets, c, interpret):
+    o, r = gdn_levels.forward(qh, pis, zs, lam, offsets=offsets, c=c, save=True,
+                              interpret=interpret)
+    return o, (r, pis, zs, lam)
+
+
+def _read_bwd(offsets, c, interpret, res, do):
+    """The kernel's walk down gives ``∂Q̂``, ``∂λ`` and each level's ``δ``; the sums over a right
+    half's tokens, ``∂Z_i = r_iᵀ (λ_i ∘ ∂o)`` and ``∂Π_i = r_iᵀ δ_i``, are batched matmuls on
+    16-bit operands for 16-bit queries (as the forward's)."""
+    r, pis, zs, lam = res
+    dq, delta, dlam = gdn_levels.backward(r, pis, zs, lam, do, offsets=offsets, c=c,
+                                          interpret=interpret)
+    dot = dot16 if jnp.dtype(r.dtype).itemsize < 4 else common.ein
+    dpi, dz = [], []
+    for i in range(lam.shape[2]):
+        right = lambda x: halves(x, c << i)[:, :, :, 1]                      # noqa: E731
+        R = right(r[:, :, i])
+        dz.append(dot("bhnsd,bhnsv->bhndv", R, right(lam[:, :, i, :, None] * do).astype(r.dtype)))
+        dpi.append(dot("bhnsd,bhnse->bhnde", R, right(delta[:, :, i])))
+    return (dq, jnp.concatenate(dpi, 2).astype(pis.dtype), jnp.concatenate(dz, 2).astype(zs.dtype),
+            dlam)
+
+
+_read.defvjp(_read_fwd, _read_bwd)
+
+
+def levels(qh, sweep, lam, c: int, interpret=None):
+    """The chunk levels' reads ``Σ_i λ_i ∘ (r_i Z_i)``, ``r_{i+1} = r_i Π_i`` over the levels
+    ``i`` at which a token's chunk lies in a right half (``ops.loglinear_gdn_blocks``):
+    ``qh [B,H,Tp,d]`` (``Tp`` a multiple of ``c``), ``sweep`` the up-sweep's left halves per
+    level, ``(Π_i [B,H,⌈N/2^(i+1)⌉,d,d], Z_i [B,H,⌈N/2^(i+1)⌉,d,dv])`` in ``qh``'s dtype,
+    ``lam [B,H,Tp,P]`` float32 (level ``i``'s weight in column ``i``) -> ``[B,H,Tp,dv]`` float32.
+    ``d``, ``dv`` are zero-padded to powers of two ≥ 16.  ``interpret=None``: the Triton
+    interpreter on CPU."""
+    interpret = bool(jax.default_backend() == "cpu" if interpret is None else interpret)
+    d, dv = qh.shape[-1], sweep[0][1].shape[-1]
+    dp, dvp = wrap.pow2_at_least(max(d, 16)), wrap.pow2_at_least(max(dv, 16))
+    widen = lambda x, *w: jnp.pad(x, [(0, 0)] * (x.ndim - len(w)) + [(0, a - b) for a, b in    # noqa: E731
+                                                                zip(w, x.shape[x.ndim - len(w):])])
+    pis = jnp.concatenate([widen(p, dp, dp) for p, _ in sweep], 2)
+    zs = jnp.concatenate([widen(z, dp, dvp) for _, z in sweep], 2)
+    offsets = tuple(int(o) for o in np.cumsum([0] + [p.shape[2] for p, _ in sweep[:-1]]))
+    o = _read(widen(qh, dp), pis, zs, jnp.moveaxis(lam, -1, 2), offsets, c, interpret)
+    return o[..., :dv]

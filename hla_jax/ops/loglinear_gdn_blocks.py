@@ -56,23 +56,46 @@ def _pairs(Pi, Z, dot):
     return (PiL, ZL), (Pi2.astype(Pi.dtype), Z2.astype(Z.dtype))
 
 
-def _levels(Qh, Pi, Z, Lam, lc: int, N: int):
-    """The chunk levels (module docstring): ``Qh [B,H,Tp,d]`` per token, ``Pi [B,H,N,d,d]`` and
-    ``Z [B,H,N,d,dv]`` per chunk, all in one dtype, ``Lam [B,H,Tp,L]`` -> ``[B,H,Tp,dv]``; 16-bit
-    terms: ``dot16`` products, ``r``, ``Π``, ``Z`` rounded back to 16 bits, the output float32."""
+def _sweep(Pi, Z, P: int, dot):
+    """The up-sweep: per level ``i < P`` the left halves' ``(Π_L, Z_L)`` (``_pairs``), each
+    ``[B,H,⌈N/2^(i+1)⌉,·,·]``, from the chunks' ``Pi [B,H,N,d,d]``, ``Z [B,H,N,d,dv]``."""
+    out = []
+    for _ in range(P):
+        left, (Pi, Z) = _pairs(Pi, Z, dot)
+        out.append(left)
+    return out
+
+
+def _read(Qh, sweep, Lam, c: int, dot):
+    """The running queries' reads (module docstring) by XLA, a pass per level: ``Qh [B,H,Tp,d]``
+    in chunks of ``c``, ``sweep`` as ``_sweep``'s, ``Lam [B,H,Tp,P]`` -> ``[B,H,Tp,dv]``."""
     B, H, Tp, d = Qh.shape
-    dot = dot16 if jnp.dtype(Qh.dtype).itemsize < 4 else common.ein
     r, out = Qh, 0.0
-    for i in range(fenwick.num_levels(N) - 1):
-        (PiL, ZL), (Pi, Z) = _pairs(Pi, Z, dot)
-        span = (Tp // N) << i
+    for i, (PiL, ZL) in enumerate(sweep):
+        span = c << i
         rh = halves(r, span)                                       # [B,H,nb,2,span,d]
-        lam = halves(Lam[..., lc + 1 + i], span)[:, :, :, 1, :, None]
+        lam = halves(Lam[..., i], span)[:, :, :, 1, :, None]
         o = lam * dot("bhntd,bhnde->bhnte", rh[:, :, :, 1], ZL)
         rPi = dot("bhntd,bhnde->bhnte", rh[:, :, :, 1], PiL).astype(r.dtype)
         r = jnp.stack([rh[:, :, :, 0], rPi], 3).reshape(B, H, -1, d)[:, :, :Tp]
         out = out + jnp.stack([jnp.zeros_like(o), o], 3).reshape(B, H, -1, o.shape[-1])[:, :, :Tp]
     return out
+
+
+def _levels(Qh, Pi, Z, Lam, lc: int, N: int, kernel: bool = False):
+    """The chunk levels (module docstring): ``Qh [B,H,Tp,d]`` per token, ``Pi [B,H,N,d,d]`` and
+    ``Z [B,H,N,d,dv]`` per chunk, all in one dtype, ``Lam [B,H,Tp,L]`` -> ``[B,H,Tp,dv]``; 16-bit
+    terms: ``dot16`` products, ``r``, ``Π``, ``Z`` rounded back to 16 bits, the output float32.
+    ``kernel``: the reads by ``kernels.gdn_blocks.levels`` (one Triton program per chunk)."""
+    dot = dot16 if jnp.dtype(Qh.dtype).itemsize < 4 else common.ein
+    P = fenwick.num_levels(N) - 1
+    if P == 0:
+        return 0.0
+    sweep, lam, c = _sweep(Pi, Z, P, dot), Lam[..., lc + 1:lc + 1 + P], Qh.shape[2] // N
+    if kernel:
+        from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
+        return gdn_blocks.levels(Qh, sweep, lam, c)
+    return _read(Qh, sweep, lam, c, dot)
 
 
 def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
@@ -86,7 +109,8 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     M, Qh, A_c, Z, V, Lam = chunk_parts(q, k, v, g, beta, lam, chunk_size, terms)
     B, H, N, c, d = Qh.shape
     out = window(Lam.reshape(B, H, N, c, -1), M, V, fenwick.level_table(c)).reshape(B, H, N * c, -1)
-    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, fenwick.chunk_log2(c), N)
+    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, fenwick.chunk_log2(c), N,
+                        kernel=terms == "kernel")
     return jnp.moveaxis(out, 1, 2)[:, :q.shape[1]]
 
 
