@@ -32,7 +32,6 @@ from hla_jax.kernels.gpu import gdn_levels, gdn_terms, gdn_ut, gdn_ut_mgpu
 from hla_jax.kernels.gpu.la_mgpu import F32, LOG2E, C
 from hla_jax.kernels.la_chunk import decays
 from hla_jax.ops import common
-from hla_jax.ops.loglinear_blocks import dot16, halves
 from hla_jax.ops.loglinear_chunked import delta_terms
 
 
@@ -117,54 +116,47 @@ def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
     return chunk(M), chunk(Qh), A_c, Z[..., :dv]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _read(qh, pis, zs, lam, offsets, c, interpret):
-    """``Σ_i λ_i ∘ (r_i Z_i)`` over the levels (``kernels/gpu/gdn_levels.py``)."""
-    return gdn_levels.forward(qh, pis, zs, lam, offsets=offsets, c=c, interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _read(qh, sweep, lam, c, xla, interpret):
+    """The reads by the kernel (``kernels/gpu/gdn_levels.py``); differentiated, by ``xla``."""
+    d, dv = qh.shape[-1], sweep[0][1].shape[-1]
+    dp, dvp = wrap.pow2_at_least(max(d, 16)), wrap.pow2_at_least(max(dv, 16))
+    pis = jnp.concatenate([_widen(p, dp, dp) for p, _ in sweep], 2)
+    zs = jnp.concatenate([_widen(z, dp, dvp) for _, z in sweep], 2)
+    offsets = tuple(int(o) for o in np.cumsum([0] + [p.shape[2] for p, _ in sweep[:-1]]))
+    o = gdn_levels.forward(_widen(qh, dp), pis, zs, jnp.moveaxis(lam, -1, 2), offsets=offsets, c=c,
+                           interpret=interpret)
+    return o[..., :dv]
 
 
-def _read_fwd(qh, pis, zs, lam, offsets, c, interpret):
-    o, r = gdn_levels.forward(qh, pis, zs, lam, offsets=offsets, c=c, save=True,
-                              interpret=interpret)
-    return o, (r, pis, zs, lam)
+def _read_fwd(qh, sweep, lam, c, xla, interpret):
+    return jax.vjp(lambda *a: xla(*a, c), qh, sweep, lam)
 
 
-def _read_bwd(offsets, c, interpret, res, do):
-    """The kernel's walk down gives ``∂Q̂``, ``∂λ`` and each level's ``δ``; the sums over a right
-    half's tokens, ``∂Z_i = r_iᵀ (λ_i ∘ ∂o)`` and ``∂Π_i = r_iᵀ δ_i``, are batched matmuls on
-    16-bit operands for 16-bit queries (as the forward's)."""
-    r, pis, zs, lam = res
-    dq, delta, dlam = gdn_levels.backward(r, pis, zs, lam, do, offsets=offsets, c=c,
-                                          interpret=interpret)
-    dot = dot16 if jnp.dtype(r.dtype).itemsize < 4 else common.ein
-    dpi, dz = [], []
-    for i in range(lam.shape[2]):
-        right = lambda x: halves(x, c << i)[:, :, :, 1]                      # noqa: E731
-        R = right(r[:, :, i])
-        dz.append(dot("bhnsd,bhnsv->bhndv", R, right(lam[:, :, i, :, None] * do).astype(r.dtype)))
-        dpi.append(dot("bhnsd,bhnse->bhnde", R, right(delta[:, :, i])))
-    return (dq, jnp.concatenate(dpi, 2).astype(pis.dtype), jnp.concatenate(dz, 2).astype(zs.dtype),
-            dlam)
+def _read_bwd(c, xla, interpret, pull, do):
+    return pull(do)
 
 
 _read.defvjp(_read_fwd, _read_bwd)
 
 
-def levels(qh, sweep, lam, c: int, interpret=None):
+def _widen(x, *widths):
+    """``x`` zero-padded on its last ``len(widths)`` axes to ``widths``."""
+    lead = [(0, 0)] * (x.ndim - len(widths))
+    return jnp.pad(x, lead + [(0, w - n) for w, n in zip(widths, x.shape[x.ndim - len(widths):])])
+
+
+def levels(qh, sweep, lam, c: int, xla, interpret=None):
     """The chunk levels' reads ``Σ_i λ_i ∘ (r_i Z_i)``, ``r_{i+1} = r_i Π_i`` over the levels
     ``i`` at which a token's chunk lies in a right half (``ops.loglinear_gdn_blocks``):
     ``qh [B,H,Tp,d]`` (``Tp`` a multiple of ``c``), ``sweep`` the up-sweep's left halves per
     level, ``(Π_i [B,H,⌈N/2^(i+1)⌉,d,d], Z_i [B,H,⌈N/2^(i+1)⌉,d,dv])`` in ``qh``'s dtype,
-    ``lam [B,H,Tp,P]`` float32 (level ``i``'s weight in column ``i``) -> ``[B,H,Tp,dv]`` float32.
-    ``d``, ``dv`` are zero-padded to powers of two ≥ 16.  ``interpret=None``: the Triton
-    interpreter on CPU."""
+    ``lam [B,H,Tp,P]`` float32 (level ``i``'s weight in column ``i``) -> ``[B,H,Tp,dv]`` float32,
+    by one Triton program per chunk (``d``, ``dv`` zero-padded to powers of two ≥ 16).  Its
+    gradient is ``xla(qh, sweep, lam, c)``'s, the same reads by XLA's pass per level, whose
+    autodiff beat a backward kernel walking down the levels with the sums over right halves as
+    batched matmuls (the levels' forward+backward 11.58 against 12.98 ms at T=8192 on the H200,
+    ``bench_gdn_blocks_parts_gpu_levels_bwd.json``).
+    ``interpret=None``: the Triton interpreter on CPU."""
     interpret = bool(jax.default_backend() == "cpu" if interpret is None else interpret)
-    d, dv = qh.shape[-1], sweep[0][1].shape[-1]
-    dp, dvp = wrap.pow2_at_least(max(d, 16)), wrap.pow2_at_least(max(dv, 16))
-    widen = lambda x, *w: jnp.pad(x, [(0, 0)] * (x.ndim - len(w)) + [(0, a - b) for a, b in    # noqa: E731
-                                                                zip(w, x.shape[x.ndim - len(w):])])
-    pis = jnp.concatenate([widen(p, dp, dp) for p, _ in sweep], 2)
-    zs = jnp.concatenate([widen(z, dp, dvp) for _, z in sweep], 2)
-    offsets = tuple(int(o) for o in np.cumsum([0] + [p.shape[2] for p, _ in sweep[:-1]]))
-    o = _read(widen(qh, dp), pis, zs, jnp.moveaxis(lam, -1, 2), offsets, c, interpret)
-    return o[..., :dv]
+    return _read(qh, sweep, lam, c, xla, interpret)
