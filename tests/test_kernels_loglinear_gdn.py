@@ -182,9 +182,9 @@ def _levels_of(N, c, kernel):
 
 
 def test_levels_kernel_matches_xla_x64(x64, rng):
-    """The chunk levels' Triton kernel (interpreter) against XLA's pass per level in float64
-    (13 chunks, the last blocks partial); differentiated, the kernel's reads take XLA's
-    gradients of ``Q̂``, ``Π``, ``Z``, ``Λ``."""
+    """The chunk levels' Triton kernels (interpreter) against XLA's up-sweep and pass per level
+    in float64 (13 chunks: odd node counts, the last blocks partial): the output and the
+    gradients of ``Q̂``, ``Π``, ``Z``, ``Λ`` (the sweep's backward kernel; the reads' by XLA)."""
     args = _levels_inputs(rng, jnp.float64)
     ker, xla = _levels_of(13, 16, True), _levels_of(13, 16, False)
     assert_close(ker(*args), xla(*args), 1e-12)
@@ -195,35 +195,41 @@ def test_levels_kernel_matches_xla_x64(x64, rng):
 
 
 def test_levels_kernel_bf16(rng):
-    """bf16 ``Q̂, Π, Z``: the kernel's reads against the float64 levels on the same (bf16)
-    values, as close as XLA's bf16 path (16-bit operands, float32 accumulation, ``r`` rounded per
-    level); ``d = 24``, ``dv = 20`` zero-padded to 32."""
+    """bf16 ``Q̂, Π, Z``: the kernels against the float64 levels on the same (bf16) values, as
+    close as XLA's bf16 path (16-bit operands, float32 accumulation, nodes and ``r`` rounded per
+    level), output and gradients; ``d = 24``, ``dv = 20`` zero-padded to 32."""
     with jax.enable_x64(True):
         args = _levels_inputs(rng, jnp.float64, d=24, dv=20)
         args = tuple(x.astype(jnp.bfloat16).astype(jnp.float64) for x in args[:3]) + args[3:]
         ref = _levels_of(13, 16, False)(*args)
+        w = jnp.asarray(rng.normal(size=ref.shape))
+        refs = [ref] + list(grads_of(_levels_of(13, 16, False), args, range(4), w))
     low = tuple(x.astype(jnp.bfloat16) for x in args[:3]) + (args[3].astype(jnp.float32),)
+    w = w.astype(jnp.float32)
     for kernel in (True, False):
-        assert_close(_levels_of(13, 16, kernel)(*low), ref.astype(jnp.float32), 1e-2)
+        f = _levels_of(13, 16, kernel)
+        for name, a, b in zip(("o", "dQ̂", "dΠ", "dZ", "dΛ"),
+                              [f(*low)] + list(grads_of(f, low, range(4), w)), refs):
+            assert_close(a.astype(jnp.float32), b.astype(jnp.float32), 2e-2, name)
 
 
-def test_levels_kernel_lowers_for_cuda():
-    """The chunk levels' kernel goes through Triton's real lowering at the benchmark's head dims
-    128; differentiated, the reads are XLA's (no kernel in the gradient's program)."""
+def test_levels_kernels_lower_for_cuda():
+    """The chunk levels' kernels go through Triton's real lowering at the benchmark's head dims
+    128 (8 chunks, 3 levels): the up-sweep's 2 combining levels and the reads forward; the
+    gradient's program has the sweep's forward and its 3 levels' backward, and XLA's reads."""
     from hla_jax.kernels import gdn_blocks
     from hla_jax.ops import loglinear_gdn_blocks
     from hla_jax.ops.loglinear_blocks import dot16
 
     N, c, d = 8, 64, 128
-    sweep = [(jax.ShapeDtypeStruct((1, 2, N >> (i + 1), d, d), jnp.bfloat16),
-              jax.ShapeDtypeStruct((1, 2, N >> (i + 1), d, d), jnp.bfloat16)) for i in range(3)]
     qh = jax.ShapeDtypeStruct((1, 2, N * c, d), jnp.bfloat16)
+    pi = jax.ShapeDtypeStruct((1, 2, N, d, d), jnp.bfloat16)
     lam = jax.ShapeDtypeStruct((1, 2, N * c, 3), jnp.float32)
     xla = functools.partial(loglinear_gdn_blocks._read, dot=dot16)
-    loss = lambda q, s, l: jnp.sum(gdn_blocks.levels(q, s, l, c, xla, interpret=False))
-    assert lower_for("cuda", loss, qh, sweep, lam).count("__gpu$xla.gpu.triton") == 1
-    grad = jax.grad(loss, argnums=(0, 1, 2))
-    assert "__gpu$xla.gpu.triton" not in lower_for("cuda", grad, qh, sweep, lam)
+    loss = lambda q, p, z, l: jnp.sum(gdn_blocks.levels(q, p, z, l, c, xla, interpret=False))
+    assert lower_for("cuda", loss, qh, pi, pi, lam).count("__gpu$xla.gpu.triton") == 3
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    assert lower_for("cuda", grad, qh, pi, pi, lam).count("__gpu$xla.gpu.triton") == 5
 
 
 def test_reset_gate_stays_finite(rng):
