@@ -20,7 +20,8 @@ right half,
 
 Each level is four batched matmuls, two combining adjacent blocks and two over the right
 halves' tokens: O(T·c·d + T·d·(d+dv)·log(T/c) + (T/c)·d²·(d+dv)) work, depth O(log T), no
-scan; autodiff gives the backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V``
+scan; autodiff gives the backward (``terms="kernel"``: the levels on Triton kernels,
+``kernels.gdn_blocks.levels``).  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V``
 (``loglinear_chunked.window``).
 Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
 transitions). The chunk terms are formed in the state dtype at the caller's matmul precision
@@ -105,8 +106,9 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     ``v [B,T,H,dv]``, ``g, beta [B,T,H]``, ``lam [B,T,H,L ≥ fenwick.num_levels(T)]``,
     ``chunk_size`` a power of two -> ``[B,T,H,dv]`` in the state dtype (float32; float64 for
     float64 inputs).  ``terms="kernel"``: the per-chunk terms from the first-order kernel's UT
-    transform (``kernels.gdn_blocks``; chunk 64, ``d`` a power of two ≥ 16; the Triton
-    interpreter on CPU; log-decays floored at ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
+    transform and the chunk levels' up-sweep and reads on Triton (``kernels.gdn_blocks``; chunk
+    64, ``d`` a power of two ≥ 16; the Triton interpreter on CPU; log-decays floored at
+    ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
     M, Qh, A_c, Z, V, Lam = chunk_parts(q, k, v, g, beta, lam, chunk_size, terms)
     B, H, N, c, d = Qh.shape
     out = window(Lam.reshape(B, H, N, c, -1), M, V, fenwick.level_table(c)).reshape(B, H, N * c, -1)
