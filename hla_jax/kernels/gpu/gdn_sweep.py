@@ -23,16 +23,15 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from hla_jax.kernels.gpu.walk import compiler_params
 from hla_jax.kernels.la_chunk import F32, dot
 
 
 def _call(kernel, out_shape, pairs, interpret, *args):
     B, H = args[0].shape[:2]
-    params = None if interpret else plgpu.CompilerParams(num_warps=8, num_stages=1)
-    return pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, pairs), compiler_params=params,
-                          interpret=interpret)(*args)
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, pairs),
+                          compiler_params=compiler_params(8, interpret), interpret=interpret)(*args)
 
 
 def _pair(n):

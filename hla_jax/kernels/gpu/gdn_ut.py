@@ -35,23 +35,13 @@ def _rows(c, at=0, n=None):
     return pl.ds(pl.multiple_of(pl.program_id(2) * c + at, n or c), n or c)
 
 
-def _value_tiles(dv):
-    """``(bu, n)``: value tiles of ``bu`` columns (128, or 64 when ``dv`` is an odd multiple of
-    64) and their count."""
-    bu = 128 if dv % 128 == 0 else min(dv, 64)
-    return bu, dv // bu
-
-
-def _over_tiles(bu, n, body, init):
-    """``body(cols, carry)`` over ``n`` column slices of ``bu``, in a loop (not unrolled: each
-    tile's loads and products die with its step)."""
-    return lax.fori_loop(0, n, lambda t, carry: body(pl.ds(pl.multiple_of(t * bu, bu), bu), carry),
-                         init)
-
-
 def _over_value_tiles(dv, body, init):
-    """``body(cols, carry)`` over the value tiles' column slices (``_value_tiles``)."""
-    return _over_tiles(*_value_tiles(dv), body, init)
+    """``body(cols, carry)`` over the column slices of the value tiles (128 columns, or 64 when
+    ``dv`` is an odd multiple of 64), in a loop (not unrolled: each tile's loads and products die
+    with its step)."""
+    bu = 128 if dv % 128 == 0 else min(dv, 64)
+    return lax.fori_loop(0, dv // bu,
+                         lambda t, carry: body(pl.ds(pl.multiple_of(t * bu, bu), bu), carry), init)
 
 
 @functools.partial(jax.jit, static_argnames=("c", "cb", "num_warps", "interpret"))
