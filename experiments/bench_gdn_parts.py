@@ -1,13 +1,11 @@
-"""Where the Gated DeltaNet kernel's time goes, on a Hopper GPU: the UT transform
-(``kernels/gpu/gdn_ut.py``) and its backward (``kernels/gpu/gdn_ut_mgpu.py``), each Mosaic GPU walk
-(``kernels/gpu/gdn_mgpu.py``: ``out`` forward, ``rev`` backward), the walk's chunk-parallel
-products (``kernels/gpu/gdn_grads_mgpu.py``), the whole ``kernels.gdn.core`` forward and backward,
-and what is left for XLA's glue (``gates``: its gate and ``β`` preparation alone), median ms;
-with ``--sweep ut`` also the UT settings that were chosen this way: ``ut_fwd_cb16`` (row blocks
-of 16 tokens instead of 32) and ``ut_fwd_w{2,8}`` (2 and 8 Triton warps instead of 4).
+"""Where the Gated DeltaNet kernel's time goes, on a Hopper GPU: the UT transform and its
+backward (``kernels/gpu/gdn_ut_mgpu.py``), each Mosaic GPU walk (``kernels/gpu/gdn_mgpu.py``:
+``out`` forward, ``rev`` backward), the walk's chunk-parallel products
+(``kernels/gpu/gdn_grads_mgpu.py``), the whole ``kernels.gdn.core`` forward and backward, and
+what is left for XLA's glue (``gates``: its gate and ``β`` preparation alone), median ms.
 
     python experiments/bench_gdn_parts.py [--T 8192] [--tokens 65536] [--shape 16,128,128]
-        [--repeats 10] [--name bench_gdn_parts_gpu] [--sweep ut] [--out DIR]
+        [--repeats 10] [--name bench_gdn_parts_gpu] [--out DIR]
 
 Same inputs as ``bench_kernels.py`` (bf16, ``--shape`` H,d,dv, B·T = ``--tokens``); writes
 ``<out>/<name>.json``: the parts, ``fwd``/``bwd`` (``core``'s forward and its backward from the
@@ -33,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 from experiments.bench_kernels import Shape, inputs, micro_args, micro_size, micro_write  # noqa: E402
 from experiments.bench_kernels import timeit as _timeit  # noqa: E402
 from hla_jax.kernels import gdn, wrap  # noqa: E402
-from hla_jax.kernels.gpu import gdn_grads_mgpu, gdn_mgpu, gdn_ut, gdn_ut_mgpu  # noqa: E402
+from hla_jax.kernels.gpu import gdn_grads_mgpu, gdn_mgpu, gdn_ut_mgpu  # noqa: E402
 
 
 def steps(B: int, T: int, shape: Shape, interpret: bool = False):
@@ -50,11 +48,11 @@ def steps(B: int, T: int, shape: Shape, interpret: bool = False):
     walk = {m: jax.jit(lambda b2, *x, m=m: gdn_mgpu.walk(b2, h0, x, mode=m, interpret=interpret))
             for m in gdn_mgpu.TILES}
     ut_fwd, ut_bwd, grads = (jax.jit(functools.partial(f, interpret=interpret))
-                             for f in (gdn_ut.forward, gdn_ut_mgpu.backward, gdn_grads_mgpu.backward))
-    w16, u16, x = ut_fwd(k, v, b, beta)
+                             for f in (gdn_ut_mgpu.forward, gdn_ut_mgpu.backward, gdn_grads_mgpu.backward))
+    w16, u16, x = ut_fwd(k, v, b2, beta)
     _, vn, s, _ = walk["out"](b2, q, k, w16, u16)
     ndu, ds, _ = walk["rev"](b2, q, k, w16, w)   # w: a bf16 stand-in for dO
-    return ({"ut_fwd": (ut_fwd, (k, v, b, beta)),
+    return ({"ut_fwd": (ut_fwd, (k, v, b2, beta)),
              "walk_out": (walk["out"], (b2, q, k, w16, u16)),
              "walk_rev": (walk["rev"], (b2, q, k, w16, w)),
              "grads": (grads, (q, k, vn, w, ndu, s, ds, b2)),
@@ -65,8 +63,6 @@ def steps(B: int, T: int, shape: Shape, interpret: bool = False):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     micro_args(p, "bench_gdn_parts_gpu")
-    p.add_argument("--sweep", action="append", default=[], choices=("ut",),
-                   help="also time the UT transform's other settings")
     p.add_argument("--interpret", action="store_true",
                    help="Pallas' interpreters (a CPU run: the wiring only, the times mean nothing)")
     a = p.parse_args(argv)
@@ -82,11 +78,6 @@ def main(argv=None):
                fwd=timeit(fwd, *args), bwd=timeit(bwd, res, (core["do"].astype(jnp.float32), hT)),
                gates=timeit(jax.jit(lambda beta, g: (gdn._local(g), gdn._heads_first(beta))),
                             *args[3:5]))
-    if "ut" in a.sweep:
-        ut_fwd_args = parts["ut_fwd"][1]
-        for name, kw in (("cb16", dict(cb=16)), ("w2", dict(num_warps=2)), ("w8", dict(num_warps=8))):
-            f = jax.jit(functools.partial(gdn_ut.forward, interpret=a.interpret, **kw))
-            row[f"ut_fwd_{name}"] = timeit(f, *ut_fwd_args)   # cb: rows a block; w: Triton warps
     row["glue_fwd"] = row["fwd"] - row["ut_fwd"] - row["walk_out"]
     row["glue_bwd"] = row["bwd"] - row["walk_rev"] - row["grads"] - row["ut_bwd"]
     print(json.dumps(row))

@@ -1,7 +1,6 @@
 """The first-order Gated DeltaNet kernel (``kernels/gdn.py`` over ``kernels/gpu/gdn_mgpu.py``) on
-this CPU: the Mosaic GPU kernels (walks, products, UT backward) in the GPU interpreter and the
-Triton UT transform in interpret mode
-against the float32 recurrence (outputs, final state and every gradient: q, k, v, g, β, the
+this CPU: the Mosaic GPU kernels (UT transform and its backward, walks, products) in the GPU
+interpreter against the float32 recurrence (outputs, final state and every gradient: q, k, v, g, β, the
 initial state), with a ragged T, value tiles padded, a reset gate, packed documents through
 ``ops.gated_deltanet(impl="pallas")``, the entry's refusals, the lowering for CUDA, and the
 chunk-level pieces in float64 (the UT transform's backward, the walk's products) against
@@ -145,9 +144,9 @@ def test_entry_refuses_what_the_kernel_does_not_take(rng):
 
 
 def test_lowers_for_cuda():
-    """Forward and backward (in Mosaic GPU the two walks, the walk's products and the UT
-    backward; in Triton the UT transform, run once) go through the real lowering for head dims
-    64 and 128, with one to three value tiles."""
+    """Forward and backward (all Mosaic GPU: the UT transform, run once, the two walks, the
+    walk's products and the UT backward) go through the real lowering for head dims 64 and 128,
+    with one to three value tiles."""
     for d, dv in ((64, 64), (128, 128), (64, 192)):
         x = jax.ShapeDtypeStruct((2, 256, 3, d), jnp.bfloat16)
         v = jax.ShapeDtypeStruct((2, 256, 3, dv), jnp.bfloat16)
@@ -161,8 +160,8 @@ def test_lowers_for_cuda():
         text = lower_for("cuda", jax.grad(loss, argnums=range(6)), x, x, v, s, s, h0)
         for name in ("gdn_walk_out", "gdn_walk_rev", "gdn_grads", "gdn_ut_bwd"):
             assert name in text, name
-        # the UT transform once (the backward keeps its W)
-        assert text.count("__gpu$xla.gpu.triton") == 1, "UT forward"
+        # the UT transform once (the backward keeps its W), no Triton
+        assert text.count("gdn_ut_fwd_mosaic_gpu") == 1 and "__gpu$xla.gpu.triton" not in text
 
 
 def test_tpu_backend_lowers_through_mosaic():
@@ -283,6 +282,44 @@ def test_mosaic_products_match_the_chunk_math(rng, d, dv):
     assert_close(got[3].sum(0), db.reshape(B, H, Tp), 1e-5, "db")
 
 
+@pytest.mark.parametrize("d,dv,aligned", [(128, 128, False), (64, 192, True)])  # 1 / 3 value tiles
+def test_mosaic_ut_forward_solves_the_chunk(rng, d, dv, aligned):
+    """``gdn_ut_mgpu.forward`` (GPU interpreter; the inverse by doubling, every product on
+    16-bit halves) against float64 linear algebra on each chunk: ``X = (I + A)⁻¹`` to 1e-4 of
+    its largest entry, ``W, U`` (16 bits) to 1e-2, also with keys near one direction, β near 1
+    and slow decay (the inverse's ill-conditioned case)."""
+    from hla_jax.kernels.gpu import gdn_ut_mgpu
+    from hla_jax.kernels.gpu.la_mgpu import LOG2E
+
+    B, Tp, H, N = 1, 128, 2, 2
+    if aligned:
+        k = keys_around_one_direction(rng, (B, Tp, H, d), 0.1)
+        b = jnp.cumsum(jnp.full((B, H, N, 64), -1e-3, jnp.float32), -1)
+        beta = jnp.full((B, H, Tp), 0.99, jnp.float32)
+    else:
+        k = rng.normal(size=(B, Tp, H, d))
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        b = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.1, (B, H, N, 64)), jnp.float32), -1)
+        beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, H, Tp)), jnp.float32)
+    k = jnp.asarray(k, jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(B, Tp, H, dv)), jnp.bfloat16)
+    w, u, x = gdn_ut_mgpu.forward(k, v, b.reshape(B, H, Tp) * LOG2E, beta, interpret=True)
+
+    chunks = lambda y: np.asarray(y, np.float64).reshape(B, N, 64, H, -1).transpose(0, 3, 1, 2, 4)  # noqa: E731
+    K, V, bb = chunks(k), chunks(v), np.asarray(b, np.float64)
+    bt = np.asarray(beta, np.float64).reshape(B, H, N, 64)
+    Gam = np.tril(np.exp(bb[..., :, None] - bb[..., None, :]), -1)
+    A = bt[..., None] * (K @ np.swapaxes(K, -1, -2)) * Gam
+    X = np.linalg.inv(np.eye(64) + A)
+    W, U = X @ ((bt * np.exp(bb))[..., None] * K), X @ (bt[..., None] * V)
+    back = lambda y: y.transpose(0, 2, 3, 1, 4).reshape(B, Tp, H, -1)  # noqa: E731
+    assert x.shape == (B, H, Tp, 64) and x.dtype == jnp.float32
+    assert w.shape == k.shape and u.shape == v.shape and w.dtype == u.dtype == jnp.bfloat16
+    assert_close(x, X.reshape(B, H, Tp, 64), 1e-4, "X")
+    assert_close(w.astype(jnp.float32), back(W), 1e-2, "W")
+    assert_close(u.astype(jnp.float32), back(U), 1e-2, "U")
+
+
 @pytest.mark.parametrize("d,dv,own", [(128, 128, False), (64, 192, True)])  # 1 / 3 value tiles
 def test_mosaic_ut_backward_matches_the_chunk_math(rng, d, dv, own):
     """``gdn_ut_mgpu.backward`` (GPU interpreter; 16-bit operands, ``X`` in two halves) against
@@ -290,7 +327,7 @@ def test_mosaic_ut_backward_matches_the_chunk_math(rng, d, dv, own):
     ``dβ`` and the gate's share to 1e-4; with the walks' ``dK`` added, or (``own``, the block
     form's way) without it and with ``T``'s own cotangent added to ``dT``."""
     from hla_jax.kernels import gdn_chunk
-    from hla_jax.kernels.gpu import gdn_ut, gdn_ut_mgpu
+    from hla_jax.kernels.gpu import gdn_ut_mgpu
     from hla_jax.kernels.gpu.la_mgpu import LOG2E
 
     B, Tp, H, N = 1, 128, 2, 2
@@ -302,7 +339,7 @@ def test_mosaic_ut_backward_matches_the_chunk_math(rng, d, dv, own):
     dt = jnp.asarray(rng.normal(size=(B, H, Tp, 64)), jnp.float32)
     b = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.1, (B, H, N, 64)), jnp.float32), -1)
     beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, H, Tp)), jnp.float32)
-    x = gdn_ut.forward(k, v, b.reshape(B, H, Tp), beta, interpret=True)[2]
+    x = gdn_ut_mgpu.forward(k, v, b.reshape(B, H, Tp) * LOG2E, beta, interpret=True)[2]
     extra = dict(dt_own=dt) if own else dict(dk_walk=dkw)
     got = gdn_ut_mgpu.backward(k, v, b.reshape(B, H, Tp) * LOG2E, beta, x, dw, ndu,
                                interpret=True, **extra)

@@ -80,7 +80,8 @@ def test_bf16_keys_around_one_direction(rng):
 
 
 def _blocks_on_ut(*args):
-    """The block form with its chunk terms from the UT kernel (Triton interpreter on CPU)."""
+    """The block form with its chunk terms from the UT kernel (the GPU and Triton interpreters on
+    CPU)."""
     from hla_jax.ops import loglinear_gdn_blocks
     return loglinear_gdn_blocks.blocks(*args, 64, "kernel")
 
@@ -154,16 +155,16 @@ def test_auto_takes_the_ut_terms_where_the_kernel_runs(rng, monkeypatch):
 
 def test_block_form_ut_terms_lower_for_cuda():
     """The kernel chunk terms, forward and backward, go through the real lowering at the
-    benchmark's head dim 128: Triton's UT transform and chunk terms, Mosaic GPU's UT backward
-    with ``T``'s own cotangent."""
+    benchmark's head dim 128: Mosaic GPU's UT transform and its backward with ``T``'s own
+    cotangent, Triton's chunk terms."""
     from hla_jax.kernels import gdn_blocks
 
     x = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((1, 256, 2), jnp.float32)
     loss = lambda *a: sum(jnp.sum(t) for t in gdn_blocks.chunk_terms(*a, 256, interpret=False))
     text = lower_for("cuda", jax.value_and_grad(loss, argnums=range(5)), x, x, x, s, s)
-    assert text.count("__gpu$xla.gpu.triton") == 2, "the UT transform, the chunk terms"
-    assert "gdn_ut_bwd" in text
+    assert text.count("__gpu$xla.gpu.triton") == 1, "the chunk terms"
+    assert text.count("gdn_ut_fwd_mosaic_gpu") == 1 and "gdn_ut_bwd" in text
 
 
 def _levels_inputs(rng, dtype, B=1, H=2, N=13, c=16, d=16, dv=32):

@@ -4,10 +4,10 @@
 
 (``ops.gated_deltanet``; ``q, k [B,T,H,d]``, keys L2-normalised by the caller, ``v [B,T,H,dv]``,
 ``g = log a`` and ``beta [B,T,H]``, ``initial_state`` ``H0 [B,H,d,dv]``).  Per chunk of 64 tokens
-(SPEC §4, "Gated DeltaNet chunk form"), parallel over chunks (``kernels/gpu/gdn_ut.py``, Triton,
-over ``kernels/gdn_chunk.py``): the UT transform
-``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)`` (the inverse on blocks of 32 tokens),
-``W = T (ρ∘K)``, ``U = T V``; then one walk over the chunks (``kernels/gpu/gdn_mgpu.py``, Mosaic
+(SPEC §4, "Gated DeltaNet chunk form"), parallel over chunks (``kernels/gpu/gdn_ut_mgpu.py``,
+Mosaic GPU, on ``kernels/gdn_chunk.py``'s math): the UT transform
+``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)`` (the inverse by doubling its diagonal
+blocks), ``W = T (ρ∘K)``, ``U = T V``; then one walk over the chunks (``kernels/gpu/gdn_mgpu.py``, Mosaic
 GPU) reads ``V' = U − W S``, the outputs and the state, and keeps the state entering each chunk.
 The backward, from ``W``, ``V'``, those states and the inverse ``X`` kept by the forward (one
 ``[B,T,H,d]`` and one ``[B,T,H,dv]`` 16-bit array, the states ``[B,H,T/64,dv,d]`` 16-bit, ``X``

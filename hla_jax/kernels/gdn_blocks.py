@@ -1,7 +1,6 @@
 """The kernel parts of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``):
 its per-chunk terms (``chunk_terms``) from the first-order kernel's UT transform and its backward
-(``kernels/gpu/gdn_ut.py``, Triton; ``kernels/gpu/gdn_ut_mgpu.py``, Mosaic GPU) and one Triton
-program per chunk for the rest (``kernels/gpu/gdn_terms.py``) instead of XLA's batched triangular
+(``kernels/gpu/gdn_ut_mgpu.py``, Mosaic GPU) and one Triton program per chunk for the rest (``kernels/gpu/gdn_terms.py``) instead of XLA's batched triangular
 solve and einsums (``loglinear_chunked.chunk_terms``); and the chunk levels (``levels``: the
 up-sweep a Triton program per pair of nodes, ``kernels/gpu/gdn_sweep.py``, and the reads' forward
 one program per chunk carrying its running query up the levels, ``kernels/gpu/gdn_levels.py``)
@@ -10,7 +9,7 @@ instead of XLA's batched products and pass per level over every token.
 Per chunk of ``C = 64`` tokens, with ``ρ = exp(b)`` (``b`` the chunk-local cumulative log-decay,
 floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``), ``K̃ = (ρ_c/ρ)∘K``::
 
-    T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β),   W = T(ρ∘K),   U = T V    (gdn_ut)
+    T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β),   W = T(ρ∘K),   U = T V    (gdn_ut_mgpu)
     P = (Q Kᵀ) ∘ Γ,   M = P T,   Q̂ = ρ∘Q − P W,   A_c = ρ_c I − K̃ᵀ W,   Z = K̃ᵀ U   (gdn_terms)
 
 (as ``loglinear_chunked.delta_terms`` in XLA, whose autodiff is ``gdn_terms``' backward: a
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hla_jax.kernels import wrap
-from hla_jax.kernels.gpu import gdn_levels, gdn_sweep, gdn_terms, gdn_ut, gdn_ut_mgpu
+from hla_jax.kernels.gpu import gdn_levels, gdn_sweep, gdn_terms, gdn_ut_mgpu
 from hla_jax.kernels.gpu.la_mgpu import F32, LOG2E, C
 from hla_jax.kernels.la_chunk import decays
 from hla_jax.ops import common
@@ -45,7 +44,7 @@ def ut(k, v, b, beta, interpret):
 
 
 def _ut_fwd(k, v, b, beta, interpret):
-    w, u, x = gdn_ut.forward(k, v, b, beta, interpret=interpret)
+    w, u, x = gdn_ut_mgpu.forward(k, v, b * LOG2E, beta, interpret=interpret)
     B, H, Tp = b.shape
     t = (x.reshape(B, H, Tp // C, C, C) * beta.reshape(B, H, Tp // C, 1, C)).reshape(B, H, Tp, C)
     return (w, u, t), (k, v, b, beta, x)
@@ -99,8 +98,8 @@ def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
     ``q``'s dtype) per chunk, heads first, for ``q, k [B,T,H,d]``, ``v [B,T,H,dv]``,
     ``g, beta [B,T,H]`` zero-padded to ``Tp`` tokens (a multiple of ``C``): the UT transform,
     then ``P``, ``M``, ``Q̂``, ``A_c``, ``Z`` (``kernels/gpu/gdn_terms.py``; their backward by
-    XLA's autodiff of the same terms).  ``interpret=None``: the Triton interpreter on CPU (which
-    also takes float32 inputs)."""
+    XLA's autodiff of the same terms).  ``interpret=None``: the GPU and Triton interpreters on CPU
+    (which also take float32 inputs)."""
     B, T, H, d = k.shape
     dv, N = v.shape[-1], Tp // C
     interpret = bool(jax.default_backend() == "cpu" if interpret is None else interpret)

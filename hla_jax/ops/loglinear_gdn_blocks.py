@@ -25,8 +25,8 @@ scan; autodiff gives the backward (``terms="kernel"``: the levels on Triton kern
 (``loglinear_chunked.window``).
 Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
 transitions). The chunk terms are formed in the state dtype at the caller's matmul precision
-(``common.matmul_precision``; ``terms="kernel"``'s Triton forward likewise, TF32 for 16-bit
-inputs). With 16-bit inputs ``Q̂``, ``A_c``, ``Z``, ``V`` are kept in 16 bits, and so are the
+(``common.matmul_precision``; ``terms="kernel"``'s kernels: float32 factors as two 16-bit
+halves in the UT transform, TF32 in the Triton chunk terms). With 16-bit inputs ``Q̂``, ``A_c``, ``Z``, ``V`` are kept in 16 bits, and so are the
 up-sweep's ``(Π, Z)`` and the running query ``r``: the sweeps and reads take 16-bit operands with
 float32 accumulation, forward and backward (``loglinear_blocks.dot16``), as the kernels do, their
 results rounded back to 16 bits; ``M``, the window and the output are float32.
@@ -107,7 +107,7 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     ``chunk_size`` a power of two -> ``[B,T,H,dv]`` in the state dtype (float32; float64 for
     float64 inputs).  ``terms="kernel"``: the per-chunk terms from the first-order kernel's UT
     transform and the chunk levels' up-sweep and reads on Triton (``kernels.gdn_blocks``; chunk
-    64, ``d`` a power of two ≥ 16; the Triton interpreter on CPU; log-decays floored at
+    64, ``d`` a power of two ≥ 16; the GPU and Triton interpreters on CPU; log-decays floored at
     ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
     M, Qh, A_c, Z, V, Lam = chunk_parts(q, k, v, g, beta, lam, chunk_size, terms)
     B, H, N, c, d = Qh.shape

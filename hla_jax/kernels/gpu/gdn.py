@@ -1,7 +1,6 @@
-"""The NVIDIA backend of ``kernels/gdn.py``: its five steps on the Hopper kernels (the UT transform
-in Triton, ``gdn_ut.py``; the rest in Mosaic GPU, in log2 units: the two walks on transposed
-states, ``gdn_mgpu.py``, the walk's products, ``gdn_grads_mgpu.py``, and the UT backward,
-``gdn_ut_mgpu.py``).
+"""The NVIDIA backend of ``kernels/gdn.py``: its five steps on the Hopper kernels, all Mosaic GPU,
+in log2 units: the UT transform and its backward, ``gdn_ut_mgpu.py``, the two walks on
+transposed states, ``gdn_mgpu.py``, and the walk's products, ``gdn_grads_mgpu.py``.
 
 The interface, shared with ``kernels/tpu/gdn.py`` (``b``, ``beta`` ``[B,H,Tp]`` float32; ``q, k,
 v, dO`` and the returned ``O, dQ, dK, dV`` in the caller's ``[B,Tp,H,·]``; states ``[B,H,d,dv]``
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from hla_jax.kernels.gpu import gdn_grads_mgpu, gdn_mgpu, gdn_ut, gdn_ut_mgpu
+from hla_jax.kernels.gpu import gdn_grads_mgpu, gdn_mgpu, gdn_ut_mgpu
 from hla_jax.kernels.gpu.la_mgpu import LOG2E
 
 
@@ -29,7 +28,7 @@ def _t(x):
 
 
 def ut_forward(k, v, b, beta, *, interpret):
-    return gdn_ut.forward(k, v, b, beta, interpret=interpret)
+    return gdn_ut_mgpu.forward(k, v, b * LOG2E, beta, interpret=interpret)
 
 
 def walk_out(q, k, w, u, b, h0, *, interpret):

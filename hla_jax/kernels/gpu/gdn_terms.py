@@ -25,9 +25,25 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from hla_jax.kernels.gpu.gdn_ut import _call, _over_value_tiles, _rows
+from hla_jax.kernels.gpu.walk import compiler_params
 from hla_jax.kernels.la_chunk import F32, decays, dot
 from hla_jax.kernels.loglinear_gdn_chunk import tri_dot
+
+
+def _call(kernel, out_shape, c, num_warps, interpret, *args):
+    B, Tp, H = args[0].shape[:3]
+    return tuple(pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, Tp // c),
+                                compiler_params=compiler_params(num_warps, interpret),
+                                interpret=interpret)(*args))
+
+
+def _over_value_tiles(dv, body, init):
+    """``body(cols, carry)`` over the column slices of the value tiles (128 columns, or 64 when
+    ``dv`` is an odd multiple of 64), in a loop (not unrolled: each tile's loads and products die
+    with its step)."""
+    bu = 128 if dv % 128 == 0 else min(dv, 64)
+    return lax.fori_loop(0, dv // bu,
+                         lambda t, carry: body(pl.ds(pl.multiple_of(t * bu, bu), bu), carry), init)
 
 
 def _eye(d):
@@ -39,7 +55,7 @@ def forward(q, k, w, u, t, b, *, c=64, num_warps=4, interpret=False):
     """``(M, Q̂, A_c, Z)`` of every chunk (module docstring)."""
     def kernel(q_ref, k_ref, w_ref, u_ref, t_ref, b_ref, m_ref, qh_ref, a_ref, z_ref):
         i, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        ts = _rows(c)
+        ts = pl.ds(pl.multiple_of(n * c, c), c)
         Q, K, W = q_ref[i, ts, h, :], k_ref[i, ts, h, :], w_ref[i, ts, h, :]
         rho, rho_c, e, Gam, _ = decays(b_ref[i, h, ts])
         P, Kt = dot(Q, K, tb=True) * Gam, e[:, None] * K.astype(F32)

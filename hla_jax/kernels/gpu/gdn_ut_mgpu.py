@@ -1,9 +1,19 @@
-"""Gated DeltaNet's UT-transform backward on Hopper: one Mosaic GPU CTA per (batch, head, chunk),
-every product on the tensor cores (``wgmma``, 16-bit operands, float32 accumulation).
+"""Gated DeltaNet's UT transform, forward and backward, on Hopper: one Mosaic GPU CTA per (batch,
+head, chunk), every product on the tensor cores (``wgmma``, 16-bit operands, float32
+accumulation).
 
-The math of ``gdn_chunk.ut_backward`` (``T = X diag(β)``, ``ρ = 2^{b2}``), with ``(X diag β)ᵀ Y =
-β∘(Xᵀ Y)`` so that only ``X`` enters a product, and ``dW (ρ∘K)ᵀ = (dW Kᵀ) diag(ρ)`` so that ``ρ∘K``
-is never rounded to 16 bits::
+The forward (``gdn_chunk``'s math, ``ρ = 2^{b2}``): ``A = strict_tril(diag(β)(K Kᵀ) ∘ Γ)``, its
+inverse ``X = (I + A)⁻¹`` by doubling the diagonal blocks (``X ← I − A_1``, then for ``s = 2, 4,
+…, 32``: ``X ← X − X (A_s X)``, ``A_s`` the entries coupling each pair of ``s×s`` blocks, as
+``loglinear_gdn_chunk.unit_lower_inverse``), ``W = X diag(β∘ρ) K`` and ``U = X diag(β) V``.
+Every float32 factor enters a product as two 16-bit halves (``_halves``; three products for a
+float32 pair, the ``lo·lo`` one dropped), so ``X`` comes out within about 2⁻¹⁶ of its float32
+value and ``ρ∘K`` is never rounded to 16 bits.  ``X`` is kept for the backward.  ``K`` then
+``W``, ``V`` then ``U``, ``Y = A_s X``'s halves then ``X`` share shared memory: 65 KiB a CTA at
+``d = dv = 128``.
+
+The backward (the math of ``gdn_chunk.ut_backward``, ``T = X diag(β)``), with ``(X diag β)ᵀ Y =
+β∘(Xᵀ Y)`` so that only ``X`` enters a product, and ``dW (ρ∘K)ᵀ = (dW Kᵀ) diag(ρ)``::
 
     dT = (dW Kᵀ) diag(ρ) + dU Vᵀ [+ dT_own],   dV = β∘(Xᵀ dU),   dX = dT diag(β)
     E = strict_tril(−Xᵀ dX Xᵀ) ∘ Γ,   dβ = cols(X∘dT) + rows(E∘(K Kᵀ))
@@ -20,7 +30,8 @@ two).  Buffers whose lifetimes do not overlap share shared memory (``V`` then ``
 ``dW`` then ``dV``, ``X`` then ``dX``, ``K`` then ``dK``), so at ``d = dv = 128`` a CTA takes
 98 KiB and two share an SM.
 
-Inputs in the caller's layout: ``k, dW, dK_walk [B,Tp,H,d]`` 16-bit with ``d ∈ {64, 128}``,
+Inputs in the caller's layout (the forward's ``k``, ``v``, ``b2``, ``β`` likewise, its ``W``, ``U``
+and ``X`` in the layouts below): ``k, dW, dK_walk [B,Tp,H,d]`` 16-bit with ``d ∈ {64, 128}``,
 ``v, −dU [B,Tp,H,dv]`` with ``dv`` a multiple of 64, ``x [B,H,Tp,C]`` float32, ``b2`` (local
 log2-decay) and ``β`` ``[B,H,Tp]`` float32; optional: ``dK_walk`` (the first-order kernel's walk
 part of ``dK``) and ``dT_own [B,H,Tp,C]`` float32, the cotangent of ``T`` itself (log-linear
@@ -50,8 +61,109 @@ from hla_jax.kernels.gpu.la_mgpu import (
     build,
     causal_decay,
     matmul,
+    matmuls,
     smem_tile,
 )
+
+
+def _halves(y, dt):
+    """``y = hi + lo`` float32 as two ``dt`` (16-bit) arrays."""
+    hi = y.astype(dt)
+    return hi, (y - hi.astype(F32)).astype(dt)
+
+
+def put(y, h_s, l_s=None):
+    """``y`` into ``h_s`` in 16 bits (and what that leaves into ``l_s``, ``_halves``), between two
+    warpgroup barriers: no warp overwrites a tile another still reads."""
+    plgpu.commit_smem()
+    hi, lo = _halves(y, h_s.dtype)
+    h_s[...] = hi
+    if l_s is not None:
+        l_s[...] = lo
+    plgpu.commit_smem()
+
+
+def _coupling(rows, cols, s):
+    """Where ``A`` couples the two ``s×s`` diagonal blocks of each ``2s×2s`` one (its lower left)."""
+    return ((rows ^ cols) < 2 * s) & ((rows & s) != 0) & ((cols & s) == 0)
+
+
+def forward(k, v, b2, beta, *, interpret=None):
+    """``(W [B,Tp,H,d], U [B,Tp,H,dv])`` in ``k``'s dtype and ``X [B,H,Tp,C]`` float32 (module
+    docstring) from ``k [B,Tp,H,d]``, ``v [B,Tp,H,dv]``, ``b2, β [B,H,Tp]`` float32."""
+    B, Tp, H, d = k.shape
+    dv, dt, N = v.shape[-1], k.dtype, Tp // C
+    bv = 128 if dv % 128 == 0 else 64
+    nv = dv // bv
+    _mm = functools.partial(matmuls, interpret=bool(interpret))
+    cc = smem_tile((C, C), dt)
+    scratch = dict(
+        k_s=smem_tile((C, d), dt), v_s=smem_tile((C, bv), dt), xh_s=cc, xl_s=cc,  # K, V: then W, U
+        y_x=plgpu.RefUnion((cc, cc), plgpu.SMEM((C, C), F32)),      # Y's halves, then X out
+        vecs=plgpu.SMEM((4, C), F32),     # b2, b2, β, β (read as rows, as columns)
+        bar=plgpu.Barrier(num_arrivals=5), vbar=plgpu.Barrier(num_arrivals=1))
+
+    def body(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, x_ref, *, k_s, v_s, xh_s, xl_s, y_x,
+             vecs, bar, vbar):
+        bi, hi, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+        rows = pl.ds(n * C, C)
+        (yh_s, yl_s), x_s = y_x
+
+        def values(ref, t):
+            return ref.at[bi, rows, hi, pl.ds(t * bv, bv)]
+
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, hi], k_s, bar)
+        for i, ref in enumerate((b_ref, b_ref, beta_ref, beta_ref)):
+            plgpu.copy_gmem_to_smem(ref.at[bi, hi, rows], vecs.at[i], bar)
+        plgpu.copy_gmem_to_smem(values(v_ref, 0), v_s, vbar)
+        plgpu.barrier_wait(bar)
+        b_row, b_col = plgpu.load(vecs.at[0], layout=ROWS), plgpu.load(vecs.at[1], layout=COLS)
+        beta_row, beta_col = plgpu.load(vecs.at[2], layout=ROWS), plgpu.load(vecs.at[3], layout=COLS)
+        A = (_mm([(k_s, k_s.T)], (C, C)) * bcast_rows(beta_row, (C, C))
+             * causal_decay(b_row, b_col, (C, C), strict=True))
+        r = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+        c = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+        X = jnp.where(r == c, 1.0, 0.0) - jnp.where(_coupling(r, c, 1), A, 0.0)
+        s = 2
+        while s < C:                                   # X ← X − X (A_s X), every product split
+            put(X, xh_s, xl_s)
+            Ah, Al = _halves(jnp.where(_coupling(r, c, s), A, 0.0), dt)
+            put(_mm([(Ah, xh_s), (Ah, xl_s), (Al, xh_s)], (C, C)), yh_s, yl_s)
+            Xh, Xl = _halves(X, dt)
+            X = X - _mm([(Xh, yh_s), (Xh, yl_s), (Xl, yh_s)], (C, C))
+            s *= 2
+        Th, Tl = _halves(X * bcast_cols(beta_col * jnp.exp2(b_col), (C, C)), dt)
+        W = _mm([(Th, k_s), (Tl, k_s)], (C, d))                   # W = X diag(β∘ρ) K
+        plgpu.commit_smem()
+        x_s[...] = X                                              # over Y's halves
+        k_s[...] = W.astype(dt)                                   # over K
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(x_s, x_ref.at[bi, hi, rows], commit_group=False)
+        plgpu.copy_smem_to_gmem(k_s, w_ref.at[bi, rows, hi], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        Th, Tl = _halves(X * bcast_cols(beta_col, (C, C)), dt)
+
+        def value_tile(t, carry):                                 # U = X diag(β) V, tile t
+            plgpu.barrier_wait(vbar)
+            U = _mm([(Th, v_s), (Tl, v_s)], (C, bv))
+            plgpu.commit_smem()
+            v_s[...] = U.astype(dt)                               # over V
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(v_s, values(u_ref, t))
+
+            @pl.when(t + 1 < nv)
+            def _next():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.copy_gmem_to_smem(values(v_ref, t + 1), v_s, vbar)
+            return carry
+
+        lax.fori_loop(0, nv, value_tile, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = [jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt),
+                jax.ShapeDtypeStruct((B, H, Tp, C), F32)]
+    return build(body, out_type, scratch, (B, H, N), ("b", "h", "n"), interpret, "gdn_ut_fwd")(
+        k, v, b2, beta)
 
 
 def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret=None):
@@ -103,15 +215,6 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret
             plgpu.copy_gmem_to_smem(ref.at[bi, hi, rows], vecs.at[i], bar)
         load_values(0)
         plgpu.barrier_wait(bar)
-
-        def put(y, h_s, l_s=None):
-            """``y`` into ``h_s`` in 16 bits (and what that leaves into ``l_s``), between two
-            warpgroup barriers: no warp overwrites a tile another still reads."""
-            plgpu.commit_smem()
-            h_s[...] = y.astype(dt)
-            if l_s is not None:
-                l_s[...] = (y - y.astype(dt).astype(F32)).astype(dt)
-            plgpu.commit_smem()
 
         b_row, b_col = plgpu.load(vecs.at[0], layout=ROWS), plgpu.load(vecs.at[1], layout=COLS)
         beta_row, beta_col = plgpu.load(vecs.at[2], layout=ROWS), plgpu.load(vecs.at[3], layout=COLS)

@@ -99,6 +99,20 @@ def matmul(a, b, shape, init=None, *, interpret=False):
     return lax.optimization_barrier(out)
 
 
+def matmuls(pairs, shape, *, interpret=False):
+    """``Σ a @ b`` over ``pairs`` on the tensor cores: compiled, every product is issued into one
+    accumulator and waited once (``matmul``'s operands)."""
+    if interpret:
+        return sum(matmul(a, b, shape, interpret=True) for a, b in pairs)
+
+    def scoped(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
+
+
 def bcast_rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
