@@ -1,7 +1,8 @@
 """The kernel parts of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``):
 its per-chunk terms (``chunk_terms``) from the first-order kernel's UT transform and its backward
-(``kernels/gpu/gdn_ut_mgpu.py``, Mosaic GPU) and one Triton program per chunk for the rest (``kernels/gpu/gdn_terms.py``) instead of XLA's batched triangular
-solve and einsums (``loglinear_chunked.chunk_terms``); and the chunk levels (``levels``: the
+(``kernels/gpu/gdn_ut_mgpu.py``, Mosaic GPU) and one Triton program per chunk for the rest
+(``kernels/gpu/gdn_terms.py``) instead of XLA's batched triangular solve and einsums
+(``loglinear_chunked.chunk_terms``); and the chunk levels (``levels``: the
 up-sweep a Triton program per pair of nodes, ``kernels/gpu/gdn_sweep.py``, and the reads' forward
 one program per chunk carrying its running query up the levels, ``kernels/gpu/gdn_levels.py``)
 instead of XLA's batched products and pass per level over every token.

@@ -25,11 +25,12 @@ scan; autodiff gives the backward (``terms="kernel"``: the levels on Triton kern
 (``loglinear_chunked.window``).
 Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
 transitions). The chunk terms are formed in the state dtype at the caller's matmul precision
-(``common.matmul_precision``; ``terms="kernel"``'s kernels: float32 factors as two 16-bit
-halves in the UT transform, TF32 in the Triton chunk terms). With 16-bit inputs ``Q̂``, ``A_c``, ``Z``, ``V`` are kept in 16 bits, and so are the
-up-sweep's ``(Π, Z)`` and the running query ``r``: the sweeps and reads take 16-bit operands with
-float32 accumulation, forward and backward (``loglinear_blocks.dot16``), as the kernels do, their
-results rounded back to 16 bits; ``M``, the window and the output are float32.
+(``common.matmul_precision``; ``terms="kernel"``'s kernels: float32 factors as two 16-bit halves in
+the UT transform, TF32 in the Triton chunk terms). With 16-bit inputs ``Q̂``, ``A_c``, ``Z``, ``V``
+are kept in 16 bits, and so are the up-sweep's ``(Π, Z)`` and the running query ``r``: the sweeps
+and reads take 16-bit operands with float32 accumulation, forward and backward
+(``loglinear_blocks.dot16``), as the kernels do, their results rounded back to 16 bits; ``M``, the
+window and the output are float32.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def forward(k, v, b2, beta, *, interpret=None):
     dv, dt, N = v.shape[-1], k.dtype, Tp // C
     bv = 128 if dv % 128 == 0 else 64
     nv = dv // bv
-    _mm = functools.partial(matmuls, interpret=bool(interpret))
+    _sum = functools.partial(matmuls, interpret=bool(interpret))
     cc = smem_tile((C, C), dt)
     scratch = dict(
         k_s=smem_tile((C, d), dt), v_s=smem_tile((C, bv), dt), xh_s=cc, xl_s=cc,  # K, V: then W, U
@@ -119,7 +119,7 @@ def forward(k, v, b2, beta, *, interpret=None):
         plgpu.barrier_wait(bar)
         b_row, b_col = plgpu.load(vecs.at[0], layout=ROWS), plgpu.load(vecs.at[1], layout=COLS)
         beta_row, beta_col = plgpu.load(vecs.at[2], layout=ROWS), plgpu.load(vecs.at[3], layout=COLS)
-        A = (_mm([(k_s, k_s.T)], (C, C)) * bcast_rows(beta_row, (C, C))
+        A = (_sum([(k_s, k_s.T)], (C, C)) * bcast_rows(beta_row, (C, C))
              * causal_decay(b_row, b_col, (C, C), strict=True))
         r = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
         c = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
@@ -128,12 +128,12 @@ def forward(k, v, b2, beta, *, interpret=None):
         while s < C:                                   # X ← X − X (A_s X), every product split
             put(X, xh_s, xl_s)
             Ah, Al = _halves(jnp.where(_coupling(r, c, s), A, 0.0), dt)
-            put(_mm([(Ah, xh_s), (Ah, xl_s), (Al, xh_s)], (C, C)), yh_s, yl_s)
+            put(_sum([(Ah, xh_s), (Ah, xl_s), (Al, xh_s)], (C, C)), yh_s, yl_s)
             Xh, Xl = _halves(X, dt)
-            X = X - _mm([(Xh, yh_s), (Xh, yl_s), (Xl, yh_s)], (C, C))
+            X = X - _sum([(Xh, yh_s), (Xh, yl_s), (Xl, yh_s)], (C, C))
             s *= 2
         Th, Tl = _halves(X * bcast_cols(beta_col * jnp.exp2(b_col), (C, C)), dt)
-        W = _mm([(Th, k_s), (Tl, k_s)], (C, d))                   # W = X diag(β∘ρ) K
+        W = _sum([(Th, k_s), (Tl, k_s)], (C, d))                   # W = X diag(β∘ρ) K
         plgpu.commit_smem()
         x_s[...] = X                                              # over Y's halves
         k_s[...] = W.astype(dt)                                   # over K
@@ -145,7 +145,7 @@ def forward(k, v, b2, beta, *, interpret=None):
 
         def value_tile(t, carry):                                 # U = X diag(β) V, tile t
             plgpu.barrier_wait(vbar)
-            U = _mm([(Th, v_s), (Tl, v_s)], (C, bv))
+            U = _sum([(Th, v_s), (Tl, v_s)], (C, bv))
             plgpu.commit_smem()
             v_s[...] = U.astype(dt)                               # over V
             plgpu.commit_smem()
@@ -173,6 +173,7 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret
     bv = 128 if dv % 128 == 0 else 64
     nv = dv // bv
     _mm = functools.partial(matmul, interpret=bool(interpret))
+    _sum = functools.partial(matmuls, interpret=bool(interpret))
     cc = smem_tile((C, C), dt)
 
     def tile(width):
@@ -246,12 +247,12 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret
 
         def xt_dot(y, width):
             """``Xᵀ y`` for a 16-bit tile ``y [C, width]`` in shared memory."""
-            return _mm(XhT, y, (C, width)) + _mm(XlT, y, (C, width))
+            return _sum([(XhT, y), (XlT, y)], (C, width))
 
         put(dT * bcast_cols(beta_col, (C, C)), p_s, q_s)           # dX = dT diag(β)
-        m = xt_dot(p_s, C) + _mm(XhT, q_s, (C, C))                 # Xᵀ dX
+        m = _sum([(XhT, p_s), (XlT, p_s), (XhT, q_s)], (C, C))     # Xᵀ dX
         put(m, p_s, q_s)
-        dA = -(_mm(p_s, xh_s.T, (C, C)) + _mm(p_s, xl_s.T, (C, C)) + _mm(q_s, xh_s.T, (C, C)))
+        dA = -_sum([(p_s, xh_s.T), (p_s, xl_s.T), (q_s, xh_s.T)], (C, C))
         E = dA * causal_decay(b_row, b_col, (C, C), strict=True)
         bE = bcast_rows(beta_row, (C, C)) * E
         M = bE * KK
@@ -262,7 +263,7 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret
         dbeta = (E * KK).sum(1) + plgpu.load(vecs.at[4], layout=ROWS)
         db = M.sum(1) - plgpu.load(vecs.at[5], layout=ROWS) + (K * dKW).sum(1)
         BeT = plgpu.load(p_s.T, layout=WGMMA)
-        dK = dKW + _mm(p_s, k_s, (C, d)) + _mm(BeT, k_s, (C, d))
+        dK = dKW + _sum([(p_s, k_s), (BeT, k_s)], (C, d))
         if dkw_ref is not None:
             plgpu.barrier_wait(late)
             dK = dK + plgpu.load(dkw_s, layout=WGMMA).astype(F32)
