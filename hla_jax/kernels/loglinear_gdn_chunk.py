@@ -43,6 +43,12 @@ def tri_dot(a, b, fast: bool, ta: bool = False, tb: bool = False):
                                preferred_element_type=acc)
 
 
+def coupling(rows, cols, s: int):
+    """Where a ``[c,c]`` matrix couples the two ``s×s`` diagonal blocks of each ``2s×2s`` one (its
+    lower left block), from row and column indices."""
+    return ((rows ^ cols) < 2 * s) & ((rows & s) != 0) & ((cols & s) == 0)
+
+
 def unit_lower_inverse(A, fast: bool = False):
     """``(I + A)⁻¹`` of a strictly lower-triangular ``A [c,c]`` by
     doubling the diagonal blocks: with ``X`` the block-diagonal inverse of the ``s×s`` blocks and
@@ -57,8 +63,7 @@ def unit_lower_inverse(A, fast: bool = False):
     j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
     X, s = jnp.where(i == j, 1.0, 0.0).astype(A.dtype), 1
     while s < c:
-        coupling = ((i ^ j) < 2 * s) & ((i & s) != 0) & ((j & s) == 0)
-        X = X - tri_dot(tri_dot(X, jnp.where(coupling, A, 0.0), fast), X, fast)
+        X = X - tri_dot(tri_dot(X, jnp.where(coupling(i, j, s), A, 0.0), fast), X, fast)
         s *= 2
     return X
 

@@ -64,6 +64,7 @@ from hla_jax.kernels.gpu.la_mgpu import (
     matmuls,
     smem_tile,
 )
+from hla_jax.kernels.loglinear_gdn_chunk import coupling
 
 
 def _halves(y, dt):
@@ -81,11 +82,6 @@ def put(y, h_s, l_s=None):
     if l_s is not None:
         l_s[...] = lo
     plgpu.commit_smem()
-
-
-def _coupling(rows, cols, s):
-    """Where ``A`` couples the two ``s×s`` diagonal blocks of each ``2s×2s`` one (its lower left)."""
-    return ((rows ^ cols) < 2 * s) & ((rows & s) != 0) & ((cols & s) == 0)
 
 
 def forward(k, v, b2, beta, *, interpret=None):
@@ -123,11 +119,11 @@ def forward(k, v, b2, beta, *, interpret=None):
              * causal_decay(b_row, b_col, (C, C), strict=True))
         r = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
         c = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
-        X = jnp.where(r == c, 1.0, 0.0) - jnp.where(_coupling(r, c, 1), A, 0.0)
+        X = jnp.where(r == c, 1.0, 0.0) - jnp.where(coupling(r, c, 1), A, 0.0)
         s = 2
         while s < C:                                   # X ← X − X (A_s X), every product split
             put(X, xh_s, xl_s)
-            Ah, Al = _halves(jnp.where(_coupling(r, c, s), A, 0.0), dt)
+            Ah, Al = _halves(jnp.where(coupling(r, c, s), A, 0.0), dt)
             put(_sum([(Ah, xh_s), (Ah, xl_s), (Al, xh_s)], (C, C)), yh_s, yl_s)
             Xh, Xl = _halves(X, dt)
             X = X - _sum([(Xh, yh_s), (Xh, yl_s), (Xl, yh_s)], (C, C))
