@@ -45,16 +45,17 @@ def ut(k, v, b, beta, interpret):
 
 
 def _ut_fwd(k, v, b, beta, interpret):
-    w, u, x = gdn_ut_mgpu.forward(k, v, b * LOG2E, beta, interpret=interpret)
+    b2 = b * LOG2E
+    w, u, x = gdn_ut_mgpu.forward(k, v, b2, beta, interpret=interpret)
     B, H, Tp = b.shape
     t = (x.reshape(B, H, Tp // C, C, C) * beta.reshape(B, H, Tp // C, 1, C)).reshape(B, H, Tp, C)
-    return (w, u, t), (k, v, b, beta, x)
+    return (w, u, t), (k, v, b2, beta, x)
 
 
 def _ut_bwd(interpret, res, cts):
-    k, v, b, beta, x = res
+    k, v, b2, beta, x = res
     dw, du, dt = cts
-    dk, dv, dbeta, db = gdn_ut_mgpu.backward(k, v, b * LOG2E, beta, x, dw, -du, dt_own=dt,
+    dk, dv, dbeta, db = gdn_ut_mgpu.backward(k, v, b2, beta, x, dw, -du, dt_own=dt,
                                              interpret=interpret)
     return dk, dv, db, dbeta
 
