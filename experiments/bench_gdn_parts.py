@@ -46,7 +46,7 @@ def steps(B: int, T: int, shape: Shape, interpret: bool = False):
     b2 = b * math.log2(math.e)
     h0 = jnp.zeros((B, q.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
     walk = {m: jax.jit(lambda b2, *x, m=m: gdn_mgpu.walk(b2, h0, x, mode=m, interpret=interpret))
-            for m in gdn_mgpu.TILES}
+            for m in gdn_mgpu.MODES}
     ut_fwd, ut_bwd, grads = (jax.jit(functools.partial(f, interpret=interpret))
                              for f in (gdn_ut_mgpu.forward, gdn_ut_mgpu.backward, gdn_grads_mgpu.backward))
     w16, u16, x = ut_fwd(k, v, b2, beta)

@@ -287,7 +287,8 @@ def test_mosaic_ut_forward_solves_the_chunk(rng, d, dv, aligned):
     """``gdn_ut_mgpu.forward`` (GPU interpreter; the inverse by doubling, every product on
     16-bit halves) against float64 linear algebra on each chunk: ``X = (I + A)⁻¹`` to 1e-4 of
     its largest entry, ``W, U`` (16 bits) to 1e-2, also with keys near one direction, β near 1
-    and slow decay (the inverse's ill-conditioned case)."""
+    and slow decay (the inverse's ill-conditioned case); without ``keep`` the same ``W, U`` and
+    no ``X``."""
     from hla_jax.kernels.gpu import gdn_ut_mgpu
     from hla_jax.kernels.gpu.la_mgpu import LOG2E
 
@@ -318,6 +319,9 @@ def test_mosaic_ut_forward_solves_the_chunk(rng, d, dv, aligned):
     assert_close(x, X.reshape(B, H, Tp, 64), 1e-4, "X")
     assert_close(w.astype(jnp.float32), back(W), 1e-2, "W")
     assert_close(u.astype(jnp.float32), back(U), 1e-2, "U")
+    w1, u1, none = gdn_ut_mgpu.forward(k, v, b.reshape(B, H, Tp) * LOG2E, beta, keep=False,
+                                       interpret=True)      # a forward no backward follows
+    assert none is None and (w1 == w).all() and (u1 == u).all()
 
 
 @pytest.mark.parametrize("d,dv,own", [(128, 128, False), (64, 192, True)])  # 1 / 3 value tiles

@@ -62,7 +62,7 @@ def core(q, k, v, beta, g, h0, interpret=False, platform="gpu"):
     """``(O [B,Tp,H,dv], H_T [B,H,d,dv])`` float32 on padded inputs: ``g [B,Tp,H]`` floored
     log-decays, ``beta [B,Tp,H]``, ``h0 [B,H,d,dv]`` float32; the steps of ``platform``'s
     backend (``kernels/{gpu,tpu}/gdn.py``)."""
-    return _forward(q, k, v, beta, g, h0, interpret, platform)[:2]
+    return _forward(q, k, v, beta, g, h0, interpret, platform, keep=False)[:2]
 
 
 def _heads_first(x):
@@ -70,12 +70,13 @@ def _heads_first(x):
     return jnp.swapaxes(x, 1, 2).astype(F32)
 
 
-def _forward(q, k, v, beta, g, h0, interpret, platform):
+def _forward(q, k, v, beta, g, h0, interpret, platform, keep=True):
     """``(O, H_T, V', S, W, X)``: the walk's outputs, and ``V'``, the states entering the chunks,
-    ``W`` and the UT transform's inverse ``X`` for the backward."""
+    ``W`` and the UT transform's inverse ``X`` for the backward (``keep``: a backend may skip
+    writing ``V', S, X`` without it)."""
     steps, b = wrap.backend_module(platform, "gdn"), _local(g)
-    w, u, x = steps.ut_forward(k, v, b, _heads_first(beta), interpret=interpret)
-    o, hT, vn, s = steps.walk_out(q, k, w, u, b, h0, interpret=interpret)
+    w, u, x = steps.ut_forward(k, v, b, _heads_first(beta), keep=keep, interpret=interpret)
+    o, hT, vn, s = steps.walk_out(q, k, w, u, b, h0, keep=keep, interpret=interpret)
     return o, hT, vn, s, w, x
 
 

@@ -6,13 +6,15 @@ The interface, shared with ``kernels/tpu/gdn.py`` (``b``, ``beta`` ``[B,H,Tp]`` 
 v, dO`` and the returned ``O, dQ, dK, dV`` in the caller's ``[B,Tp,H,·]``; states ``[B,H,d,dv]``
 float32; the rest backend-owned, passed between the steps):
 
-    ut_forward(k, v, b, beta)                       -> W, U, X
-    walk_out(q, k, w, u, b, h0)                     -> O, H_T, V', S per chunk
+    ut_forward(k, v, b, beta, keep)                 -> W, U, X
+    walk_out(q, k, w, u, b, h0, keep)               -> O, H_T, V', S per chunk
     walk_rev(q, k, w, dO, b, dH_T)                  -> −dV', dS per chunk, dH0
     grads(q, k, V', dO, −dV', S, dS, b)             -> dQ, dK_walk, dW, ∂L/∂b (the walk's share)
     ut_backward(k, v, b, beta, X, dW, −dV', dK_walk) -> dK, dV, dβ, ∂L/∂b (the UT's share)
 
-(``dU = dV'``: the UT backward takes it negated and in 16 bits, as the products do.)
+(``dU = dV'``: the UT backward takes it negated and in 16 bits, as the products do.)  Without
+``keep`` (a forward no backward follows) ``X``, ``V'`` and ``S`` are ``None``: this backend does
+not write them.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ def _t(x):
     return jnp.swapaxes(x, -1, -2)
 
 
-def ut_forward(k, v, b, beta, *, interpret):
-    return gdn_ut_mgpu.forward(k, v, b * LOG2E, beta, interpret=interpret)
+def ut_forward(k, v, b, beta, *, keep, interpret):
+    return gdn_ut_mgpu.forward(k, v, b * LOG2E, beta, keep=keep, interpret=interpret)
 
 
-def walk_out(q, k, w, u, b, h0, *, interpret):
-    o, vn, s, sT = gdn_mgpu.walk(b * LOG2E, _t(h0), (q, k, w, u), mode="out", interpret=interpret)
+def walk_out(q, k, w, u, b, h0, *, keep, interpret):
+    o, vn, s, sT = gdn_mgpu.walk(b * LOG2E, _t(h0), (q, k, w, u), mode="out", keep=keep,
+                                 interpret=interpret)
     return o, _t(sT), vn, s
 
 

@@ -15,10 +15,12 @@ cotangent of the state going out), so the rest of the backward is chunk-parallel
 
     reverse walk    dV' = ((K Qᵀ) ∘ Γᵀ) dO + diag(γ̄) K dS,    dS ← ρ_c dS + (ρ∘Q)ᵀ dO − Wᵀ dV'
 
-and ``−dV'`` in 16 bits (``dU = dV'``: the operand of the products and of the UT backward).  Each walk is one
-CTA per (batch, head, 64 value columns) with the transposed state ``Sᵀ: [64, d]`` float32 in
-registers and the next chunk's tiles double-buffered by TMA, as in ``la_mgpu``.  No sequence is
-cut into pieces (the transition is a matrix: ``la_mgpu.pieces`` needs a scalar one).
+and ``−dV'`` in 16 bits (``dU = dV'``: the operand of the products and of the UT backward).
+Each walk is one CTA per (batch, head, 64 value columns) with the transposed state
+``Sᵀ: [64, d]`` float32 in registers and the next chunks' tiles double-buffered by TMA.  The
+forward's CTA is warp-specialized (``_walk_out``: the state's chain, the outputs, the loads in
+three warpgroups), the reverse one warpgroup as in ``la_mgpu``.  No sequence is cut into pieces
+(the transition is a matrix: ``la_mgpu.pieces`` needs a scalar one).
 
 Inputs: ``q, k, w: [B,Tp,H,d]`` 16-bit with ``d ∈ {64, 128}``, ``u, dO: [B,Tp,H,dv]`` with
 ``dv`` a multiple of 64, ``Tp`` a multiple of 64, ``b2 [B,H,Tp]`` the local log2-decay (finite),
@@ -50,63 +52,193 @@ from hla_jax.kernels.gpu.la_mgpu import (
     smem_tile,
 )
 
-# per mode: the tiles loaded per chunk (q, k, w [C,d] key-width, the rest [C,BV] value-width)
-TILES = {"out": "qkwu", "rev": "qkwo"}
-WIDE = set("qkw")
+MODES = ("out", "rev")
 
 
-def walk(b2, s0, tiles, *, mode, interpret=None):
+def walk(b2, s0, tiles, *, mode, keep=True, interpret=None):
     """One walk of ``mode`` (module docstring) over the chunks.
 
-    ``tiles``: the inputs of ``TILES[mode]`` in order (``q, k, w`` key-width; ``u`` = U,
-    ``o`` = dO value-width); ``s0 [B,H,dv,d]`` the transposed state it starts from (``rev``: the
-    final state's cotangent).  Returns, with the state after the walk last:
+    ``tiles``: ``q, k, w`` (key-width) and ``u`` = U (``out``) or ``dO`` (``rev``), value-width;
+    ``s0 [B,H,dv,d]`` the transposed state it starts from (``rev``: the final state's cotangent).
+    Returns, with the state after the walk last:
     ``out``: ``O [B,Tp,H,dv]`` float32, ``V' [B,Tp,H,dv]`` 16-bit, ``Sᵀ`` entering each chunk;
     ``rev``: ``−dV' [B,Tp,H,dv]`` 16-bit, ``dSᵀ`` leaving each chunk (the per-chunk states
-    ``[B,H,N,dv,d]`` 16-bit).
+    ``[B,H,N,dv,d]`` 16-bit).  ``out`` without ``keep``: ``V'`` and the states are ``None`` (not
+    written: only the backward reads them).
     """
-    by = dict(zip(TILES[mode], tiles))
-    B, Tp, H, d = by["k"].shape
-    dv, dt, N = next(by[n] for n in "uo" if n in by).shape[-1], by["k"].dtype, Tp // C
-    nv, reverse = dv // BV, mode == "rev"
+    if mode not in MODES:
+        raise ValueError(f"gdn_mgpu.walk: mode must be one of {MODES}, got {mode!r}")
+    if mode == "rev":
+        return _walk_rev(b2, s0, *tiles, interpret=interpret)
+    return _walk_out(b2, s0, *tiles, keep=keep, interpret=interpret)
+
+
+def _walk_out(b2, s0, q, k, w, u, *, keep, interpret):
+    """The forward walk, warp-specialized: one CTA per (batch, head, 64 value columns) runs three
+    warpgroups over the chunks.  The state's (``state``) carries ``Sᵀ`` in registers and per chunk
+    publishes its 16-bit copy and ``V' = U − W S`` in shared memory, stores both, and steps
+    ``Sᵀ ← ρ_c Sᵀ + (γ̄∘V')ᵀ K``; the output's (``out``) forms ``(Q Kᵀ) ∘ Γ`` before the state
+    arrives, then ``O = diag(ρ) Q S + ((Q Kᵀ) ∘ Γ) V'``; the memory's streams the tiles two chunks
+    deep.  So the output's products leave the state's chain of dependent steps."""
+    B, Tp, H, d = k.shape
+    dv, dt, N = u.shape[-1], k.dtype, Tp // C
     _mm = functools.partial(matmul, interpret=bool(interpret))
-    names = TILES[mode]
-    out_type = [((B, Tp, H, dv), F32)] * (not reverse) + [((B, Tp, H, dv), dt),
-                                                          ((B, H, N, dv, d), dt)]
     vec = plgpu.SMEM((2, C), F32)
     scratch = dict(
-        x_s=[smem_tile((2, C, d if n in WIDE else BV), dt) for n in names], b_c=vec, b_r=vec,
+        q_s=smem_tile((2, C, d), dt), k_s=smem_tile((2, C, d), dt), w_s=smem_tile((2, C, d), dt),
+        u_s=smem_tile((2, C, BV), dt), b_s=vec, b_r=vec, b_c=vec,
         s_pub=smem_tile((BV, d), dt), v16=smem_tile((C, BV), dt),
-        io=plgpu.RefUnion([plgpu.SMEM((BV, d), F32)], [plgpu.SMEM((C, BV), F32)]),
-        in_bar=plgpu.Barrier(num_arrivals=2 + len(names), num_barriers=2), s_bar=plgpu.Barrier())
+        s_io=plgpu.SMEM((BV, d), F32), o_s=plgpu.SMEM((C, BV), F32),
+        in_bar=plgpu.Barrier(num_arrivals=7, num_barriers=2),
+        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        s_ready=plgpu.Barrier(), s_free=plgpu.Barrier(), s_bar=plgpu.Barrier(),
+        done=plgpu.Barrier(num_arrivals=3))
 
-    def body(b_ref, s0_ref, *refs, x_s, b_c, b_r, s_pub, v16, io, in_bar, s_bar):
-        (s_io,), (stage,) = io
-        x_refs, (*o_ref, v16_ref, s_ref, final_ref) = refs[:len(names)], refs[len(names):]
+    def body(b_ref, s0_ref, q_ref, k_ref, w_ref, u_ref, o_ref, *outs,
+             q_s, k_s, w_s, u_s, b_s, b_r, b_c, s_pub, v16, s_io, o_s, in_bar, in_free,
+             s_ready, s_free, s_bar, done):
+        *kept, final_ref = outs
+        bi, hi, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        wg, cols = lax.axis_index("wg"), pl.ds(iv * BV, BV)
+
+        def registers(n, action):
+            if not interpret:
+                plgpu.set_max_registers(n, action=action)
+
+        @pl.when(wg == 2)
+        def _memory():
+            registers(40, "decrease")
+
+            def issue(n, slot):
+                rows, bar = pl.ds(n * C, C), in_bar.at[slot]
+                for ref, buf in ((q_ref, q_s), (k_ref, k_s), (w_ref, w_s)):
+                    plgpu.copy_gmem_to_smem(ref.at[bi, rows, hi], buf.at[slot], bar)
+                plgpu.copy_gmem_to_smem(u_ref.at[bi, rows, hi, cols], u_s.at[slot], bar)
+                for buf in (b_s, b_r, b_c):
+                    plgpu.copy_gmem_to_smem(b_ref.at[bi, hi, rows], buf.at[slot], bar)
+
+            for n in range(min(2, N)):
+                issue(n, n)
+
+            @pl.loop(2, max(N, 2))
+            def _refill(n):
+                slot = lax.rem(n, 2)
+                plgpu.barrier_wait(in_free.at[slot])
+                issue(n, slot)
+
+            for n in range(max(N - 2, 0), N):   # observe the last releases
+                plgpu.barrier_wait(in_free.at[n % 2])
+
+        @pl.when(wg == 0)
+        def _state():
+            registers(232, "increase")
+            plgpu.copy_gmem_to_smem(s0_ref.at[bi, hi, cols], s_io, s_bar)
+            plgpu.barrier_wait(s_bar)
+
+            def step(n, s_t):
+                slot, rows = lax.rem(n, 2), pl.ds(n * C, C)
+                plgpu.barrier_wait(in_bar.at[slot])
+
+                @pl.when(n >= 1)
+                def _read():   # the output's warpgroup has read the last chunk's S and V'
+                    plgpu.barrier_wait(s_free)
+
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # and they were stored
+                s_pub[...] = s_t.astype(dt)
+                plgpu.commit_smem()
+                vn = (plgpu.load(u_s.at[slot], layout=WGMMA).astype(F32)
+                      - _mm(w_s.at[slot], s_pub.T, (C, BV)))                  # V' = U − W S
+                v16[...] = vn.astype(dt)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(s_ready)
+                if keep:
+                    vn_ref, s_ref = kept
+                    plgpu.copy_smem_to_gmem(v16, vn_ref.at[bi, rows, hi, cols], commit_group=False)
+                    plgpu.copy_smem_to_gmem(s_pub, s_ref.at[bi, hi, n, cols], commit_group=False)
+                    plgpu.commit_smem_to_gmem_group()
+                b_last = b_s[slot, C - 1]
+                vw = plgpu.load(v16.T, layout=WGMMA).astype(F32) * bcast_cols(
+                    jnp.exp2(b_last - plgpu.load(b_s.at[slot], layout=COLS)), (BV, C))
+                s_t = _mm(vw.astype(dt), k_s.at[slot], (BV, d), init=s_t * jnp.exp2(b_last))
+                plgpu.barrier_arrive(in_free.at[slot])
+                return s_t
+
+            s_t = lax.fori_loop(0, N, step, plgpu.load(s_io, layout=WGMMA))
+            plgpu.barrier_wait(s_free)
+            s_io[...] = s_t
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s_io, final_ref.at[bi, hi, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 1)
+        def _out():
+            registers(232, "increase")
+
+            def step(n, carry):
+                slot = lax.rem(n, 2)
+                plgpu.barrier_wait(in_bar.at[slot])
+                b_row = plgpu.load(b_r.at[slot], layout=ROWS)
+                b_col = plgpu.load(b_c.at[slot], layout=COLS)
+                p = _mm(q_s.at[slot], k_s.at[slot].T, (C, C)) * causal_decay(b_row, b_col, (C, C))
+                plgpu.barrier_wait(s_ready)
+                o = _mm(q_s.at[slot], s_pub.T, (C, BV)) * bcast_rows(jnp.exp2(b_row), (C, BV))
+                o = _mm(p.astype(dt), v16, (C, BV), init=o)
+                plgpu.barrier_arrive(s_free)
+                plgpu.barrier_arrive(in_free.at[slot])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last chunk's O was sent
+                o_s[...] = o
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s, o_ref.at[bi, pl.ds(n * C, C), hi, cols])
+                return carry
+
+            lax.fori_loop(0, N, step, None)
+            plgpu.wait_smem_to_gmem(0)
+
+        plgpu.barrier_arrive(done)   # no warpgroup leaves while another still issues wgmma
+        plgpu.barrier_wait(done)
+
+    kept = [((B, Tp, H, dv), dt), ((B, H, N, dv, d), dt)] * keep
+    out_type = [jax.ShapeDtypeStruct(s, t) for s, t in (
+        [((B, Tp, H, dv), F32)] + kept + [((B, H, dv, d), F32)])]
+    o, *kept, final = build(body, out_type, scratch, (B, H, dv // BV), ("b", "h", "v"), interpret,
+                            "gdn_walk_out", num_threads=3, thread_name="wg")(b2, s0, q, k, w, u)
+    vn, s = kept or (None, None)
+    return o, vn, s, final
+
+
+def _walk_rev(b2, s0, q, k, w, do, *, interpret):
+    """The reverse walk, one warpgroup: per chunk ``dV'`` from the outgoing state's cotangent,
+    then ``dSᵀ ← ρ_c dSᵀ + (ρ∘dO)ᵀ Q − dV'ᵀ W``."""
+    B, Tp, H, d = k.shape
+    dv, dt, N = do.shape[-1], k.dtype, Tp // C
+    _mm = functools.partial(matmul, interpret=bool(interpret))
+    vec = plgpu.SMEM((2, C), F32)
+    scratch = dict(
+        x_s=[smem_tile((2, C, d if i < 3 else BV), dt) for i in range(4)], b_c=vec, b_r=vec,
+        s_pub=smem_tile((BV, d), dt), v16=smem_tile((C, BV), dt), s_io=plgpu.SMEM((BV, d), F32),
+        in_bar=plgpu.Barrier(num_arrivals=6, num_barriers=2), s_bar=plgpu.Barrier())
+
+    def body(b_ref, s0_ref, q_ref, k_ref, w_ref, do_ref, ndv_ref, ds_ref, final_ref, *,
+             x_s, b_c, b_r, s_pub, v16, s_io, in_bar, s_bar):
         bi, hi, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         cols = pl.ds(iv * BV, BV)
-        x = dict(zip(names, x_s))
-
-        def chunk(i):
-            return N - 1 - i if reverse else i
 
         def issue(i, slot):
-            rows, bar = pl.ds(chunk(i) * C, C), in_bar.at[slot]
-            for n, ref, buf in zip(names, x_refs, x_s):
-                src = ref.at[bi, rows, hi] if n in WIDE else ref.at[bi, rows, hi, cols]
-                plgpu.copy_gmem_to_smem(src, buf.at[slot], bar)
+            rows, bar = pl.ds((N - 1 - i) * C, C), in_bar.at[slot]
+            for ref, buf in zip((q_ref, k_ref, w_ref), x_s):
+                plgpu.copy_gmem_to_smem(ref.at[bi, rows, hi], buf.at[slot], bar)
+            plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi, cols], x_s[3].at[slot], bar)
             plgpu.copy_gmem_to_smem(b_ref.at[bi, hi, rows], b_c.at[slot], bar)
             plgpu.copy_gmem_to_smem(b_ref.at[bi, hi, rows], b_r.at[slot], bar)
 
         issue(0, 0)
         plgpu.copy_gmem_to_smem(s0_ref.at[bi, hi, cols], s_io, s_bar)
         plgpu.barrier_wait(s_bar)
-        s_init = plgpu.load(s_io, layout=WGMMA)
 
-        def step(i, s_t):
-            slot, n = lax.rem(i, 2), chunk(i)
+        def step(i, s_t):     # s_t is dSᵀ of the chunk's outgoing state
+            slot, n = lax.rem(i, 2), N - 1 - i
             rows = pl.ds(n * C, C)
-            t = {k: buf.at[slot] for k, buf in x.items()}
+            q, k, w, o = (buf.at[slot] for buf in x_s)
             plgpu.barrier_wait(in_bar.at[slot])
 
             @pl.when(i + 1 < N)
@@ -117,51 +249,30 @@ def walk(b2, s0, tiles, *, mode, interpret=None):
             b_last = b_c[slot, C - 1]
             b_row = plgpu.load(b_r.at[slot], layout=ROWS)
             b_col = plgpu.load(b_c.at[slot], layout=COLS)
-            rho_r, gbar_r = jnp.exp2(b_row), jnp.exp2(b_last - b_row)   # ρ, γ̄ per row
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last chunk's stores
             s_pub[...] = s_t.astype(dt)
             plgpu.commit_smem()
-            if mode == "out":
-                vn = (plgpu.load(t["u"], layout=WGMMA).astype(F32)
-                      - _mm(t["w"], s_pub.T, (C, BV)))                      # V' = U − W S
-                v16[...] = vn.astype(dt)
-                p = _mm(t["q"], t["k"].T, (C, C)) * causal_decay(b_row, b_col, (C, C))
-                o = _mm(t["q"], s_pub.T, (C, BV)) * bcast_rows(rho_r, (C, BV))
-                plgpu.commit_smem()
-                out = _mm(p.astype(dt), v16, (C, BV), init=o)
-            else:                 # s_t is dSᵀ of the chunk's outgoing state
-                pt = _mm(t["k"], t["q"].T, (C, C)) * causal_decay(b_row, b_col, (C, C), True)
-                kds = _mm(t["k"], s_pub.T, (C, BV)) * bcast_rows(gbar_r, (C, BV))
-                out = _mm(pt.astype(dt), t["o"], (C, BV), init=kds)         # dV'
-                v16[...] = (-out).astype(dt)
-            stores = [(v16, v16_ref.at[bi, rows, hi, cols]),             # V' or −dV', 16 bits
-                      (s_pub, s_ref.at[bi, hi, n, cols])]                # Sᵀ or dSᵀ, 16 bits
-            if mode == "out":
-                stage[...] = out
-                stores.append((stage, o_ref[0].at[bi, rows, hi, cols]))  # O
+            pt = _mm(k, q.T, (C, C)) * causal_decay(b_row, b_col, (C, C), True)
+            kds = _mm(k, s_pub.T, (C, BV)) * bcast_rows(jnp.exp2(b_last - b_row), (C, BV))
+            ndv = -_mm(pt.astype(dt), o, (C, BV), init=kds)                   # −dV'
+            v16[...] = ndv.astype(dt)
             plgpu.commit_smem()
-            for buf, dst in stores:
-                plgpu.copy_smem_to_gmem(buf, dst, commit_group=False)
+            plgpu.copy_smem_to_gmem(v16, ndv_ref.at[bi, rows, hi, cols], commit_group=False)
+            plgpu.copy_smem_to_gmem(s_pub, ds_ref.at[bi, hi, n, cols], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-            decayed = s_t * jnp.exp2(b_last)
-            if mode == "rev":     # dSᵀ ← ρ_c dSᵀ + (ρ∘dO)ᵀ Q − dV'ᵀ W
-                do_w = plgpu.load(t["o"].T, layout=WGMMA).astype(F32) * bcast_cols(
-                    jnp.exp2(b_col), (BV, C))
-                s_t = _mm(do_w.astype(dt), t["q"], (BV, d), init=decayed)
-                neg = plgpu.load(v16.T, layout=WGMMA)
-                return _mm(neg, t["w"], (BV, d), init=s_t)
-            # Sᵀ ← ρ_c Sᵀ + (γ̄∘V')ᵀ K
-            vw = plgpu.load(v16.T, layout=WGMMA).astype(F32) * bcast_cols(
-                jnp.exp2(b_last - b_col), (BV, C))
-            return _mm(vw.astype(dt), t["k"], (BV, d), init=decayed)
+            do_w = plgpu.load(o.T, layout=WGMMA).astype(F32) * bcast_cols(
+                jnp.exp2(b_col), (BV, C))
+            s_t = _mm(do_w.astype(dt), q, (BV, d), init=s_t * jnp.exp2(b_last))
+            return _mm(plgpu.load(v16.T, layout=WGMMA), w, (BV, d), init=s_t)
 
-        s_t = lax.fori_loop(0, N, step, s_init)
+        s_t = lax.fori_loop(0, N, step, plgpu.load(s_io, layout=WGMMA))
         plgpu.wait_smem_to_gmem(0)
         s_io[...] = s_t
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(s_io, final_ref.at[bi, hi, cols])
         plgpu.wait_smem_to_gmem(0)
 
-    out_type = [jax.ShapeDtypeStruct(s, t) for s, t in out_type + [((B, H, dv, d), F32)]]
-    return build(body, out_type, scratch, (B, H, nv), ("b", "h", "v"), interpret,
-                 f"gdn_walk_{mode}")(b2, s0, *tiles)
+    out_type = [jax.ShapeDtypeStruct(s, t) for s, t in (
+        ((B, Tp, H, dv), dt), ((B, H, N, dv, d), dt), ((B, H, dv, d), F32))]
+    return build(body, out_type, scratch, (B, H, dv // BV), ("b", "h", "v"), interpret,
+                 "gdn_walk_rev")(b2, s0, q, k, w, do)

@@ -84,9 +84,10 @@ def put(y, h_s, l_s=None):
     plgpu.commit_smem()
 
 
-def forward(k, v, b2, beta, *, interpret=None):
+def forward(k, v, b2, beta, *, keep=True, interpret=None):
     """``(W [B,Tp,H,d], U [B,Tp,H,dv])`` in ``k``'s dtype and ``X [B,H,Tp,C]`` float32 (module
-    docstring) from ``k [B,Tp,H,d]``, ``v [B,Tp,H,dv]``, ``b2, β [B,H,Tp]`` float32."""
+    docstring; ``None`` unless ``keep``: only the backward reads it) from ``k [B,Tp,H,d]``,
+    ``v [B,Tp,H,dv]``, ``b2, β [B,H,Tp]`` float32."""
     B, Tp, H, d = k.shape
     dv, dt, N = v.shape[-1], k.dtype, Tp // C
     bv = 128 if dv % 128 == 0 else 64
@@ -99,7 +100,7 @@ def forward(k, v, b2, beta, *, interpret=None):
         vecs=plgpu.SMEM((4, C), F32),     # b2, b2, β, β (read as rows, as columns)
         bar=plgpu.Barrier(num_arrivals=5), vbar=plgpu.Barrier(num_arrivals=1))
 
-    def body(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, x_ref, *, k_s, v_s, xh_s, xl_s, y_x,
+    def body(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *x_ref, k_s, v_s, xh_s, xl_s, y_x,
              vecs, bar, vbar):
         bi, hi, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
@@ -131,10 +132,12 @@ def forward(k, v, b2, beta, *, interpret=None):
         Th, Tl = _halves(X * bcast_cols(beta_col * jnp.exp2(b_col), (C, C)), dt)
         W = _sum([(Th, k_s), (Tl, k_s)], (C, d))                   # W = X diag(β∘ρ) K
         plgpu.commit_smem()
-        x_s[...] = X                                              # over Y's halves
+        if keep:
+            x_s[...] = X                                          # over Y's halves
         k_s[...] = W.astype(dt)                                   # over K
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(x_s, x_ref.at[bi, hi, rows], commit_group=False)
+        if keep:
+            plgpu.copy_smem_to_gmem(x_s, x_ref[0].at[bi, hi, rows], commit_group=False)
         plgpu.copy_smem_to_gmem(k_s, w_ref.at[bi, rows, hi], commit_group=False)
         plgpu.commit_smem_to_gmem_group()
         Th, Tl = _halves(X * bcast_cols(beta_col, (C, C)), dt)
@@ -156,10 +159,11 @@ def forward(k, v, b2, beta, *, interpret=None):
         lax.fori_loop(0, nv, value_tile, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    out_type = [jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt),
-                jax.ShapeDtypeStruct((B, H, Tp, C), F32)]
-    return build(body, out_type, scratch, (B, H, N), ("b", "h", "n"), interpret, "gdn_ut_fwd")(
-        k, v, b2, beta)
+    out_type = [jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt)] + [
+        jax.ShapeDtypeStruct((B, H, Tp, C), F32)] * keep
+    w, u, *x = build(body, out_type, scratch, (B, H, N), ("b", "h", "n"), interpret,
+                     "gdn_ut_fwd")(k, v, b2, beta)
+    return w, u, (x[0] if keep else None)
 
 
 def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret=None):

@@ -136,12 +136,14 @@ def causal_decay(b_row, b_col, shape, transpose=False, strict=False):
     return jnp.exp2(jnp.where(keep, expo, -jnp.inf))
 
 
-def build(body, out_type, scratch, grid, names, interpret, name):
+def build(body, out_type, scratch, grid, names, interpret, name, **threads):
+    """``plgpu.kernel`` named ``name``; ``threads``: ``num_threads``, ``thread_name`` of a
+    warp-specialized kernel."""
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
                         grid_names=names, compiler_params=plgpu.CompilerParams(approx_math=True),
-                        interpret=interpret or None, kernel_name=name)
+                        interpret=interpret or None, kernel_name=name, **threads)
 
 
 def walk(key, val, b2, s0, extra=(), *, mode, reverse=False, interpret=None):

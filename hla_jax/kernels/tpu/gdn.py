@@ -48,8 +48,9 @@ def _rows_out(B, H, N, r):
             pl.BlockSpec((None, None, None, r, C), lambda i, h, n: (i, h, n, 0, 0)))
 
 
-def ut_forward(k, v, b, beta, *, interpret):
-    """``(W, U, X)``: ``W [B,H,Tp,d]``, ``U [B,H,Tp,dv]`` in ``k``'s dtype, ``X [B,H,Tp,c]``."""
+def ut_forward(k, v, b, beta, *, keep, interpret):
+    """``(W, U, X)``: ``W [B,H,Tp,d]``, ``U [B,H,Tp,dv]`` in ``k``'s dtype, ``X [B,H,Tp,c]``
+    (written with or without ``keep``, as the walk's residuals: one kernel per step here)."""
     B, Tp, H, d = k.shape
     dv, N = v.shape[-1], Tp // C
     tile, gate = _specs(C, N)
@@ -109,8 +110,9 @@ def _walk(step, q, k, w, x, b, s0, *, rev, interpret):
                  state=(d, dv))
 
 
-def walk_out(q, k, w, u, b, h0, *, interpret):
-    """``(O [B,Tp,H,dv] float32, H_T, V', S)`` by the forward walk from ``h0``."""
+def walk_out(q, k, w, u, b, h0, *, keep, interpret):
+    """``(O [B,Tp,H,dv] float32, H_T, V', S)`` by the forward walk from ``h0`` (``keep``: as
+    ``ut_forward``)."""
     o, vn, s, hT = _walk(gdn_chunk.walk_forward, q, k, w, u, b, h0, rev=False, interpret=interpret)
     return heads_first(o), hT, vn, s
 
