@@ -111,26 +111,28 @@ def backward(q, k, vn, do, ndvn, s, ds, b2, *, interpret=None):
                               jnp.zeros((), F32)))
         b_row, b_col = plgpu.load(vecs.at[0], layout=ROWS), plgpu.load(vecs.at[1], layout=COLS)
         b_last = vecs[0, C - 1]
-        rho, gbar = jnp.exp2(b_row), jnp.exp2(b_last - b_row)
         DG = D * causal_decay(b_row, b_col, (C, C))
         plgpu.commit_smem()
         p_s[...] = DG.astype(dt)
-        plgpu.commit_smem()
-        Q = plgpu.load(q_s, layout=WGMMA).astype(F32)
-        K = plgpu.load(k_s, layout=WGMMA).astype(F32)
-        dq_inter, dk_inter = dOS * bcast_rows(rho, (C, kb)), VdS * bcast_rows(gbar, (C, kb))
-        dQ = _mm(p_s, k_s, (C, kb), init=dq_inter)
-        dK = _mm(plgpu.load(p_s.T, layout=WGMMA), q_s, (C, kb), init=dk_inter)
         M = DG * _mm(q_s, k_s.T, (C, C))
-        kdk = (K * dk_inter).sum(1)
         vecs[2] = M.sum(0)                                         # column sums, as rows
-        for buf, x in zip(outs, (dQ, dK, dW)):
-            buf[...] = x.astype(dt)
+        db = M.sum(1)
+        plgpu.commit_smem()
+
+        def unpacked(ref):
+            return plgpu.load(ref, layout=WGMMA).astype(F32)
+
+        dq_inter = dOS * bcast_rows(jnp.exp2(b_row), (C, kb))                # ρ ∘ dO Sᵀ
+        db = db + (unpacked(q_s) * dq_inter).sum(1) - plgpu.load(vecs.at[2], layout=ROWS)
+        outs[0][...] = _mm(p_s, k_s, (C, kb), init=dq_inter).astype(dt)      # dQ
+        dk_inter = VdS * bcast_rows(jnp.exp2(b_last - b_row), (C, kb))       # γ̄ ∘ V' dSᵀ
+        kdk = (unpacked(k_s) * dk_inter).sum(1)
+        outs[1][...] = _mm(plgpu.load(p_s.T, layout=WGMMA), q_s, (C, kb),
+                           init=dk_inter).astype(dt)                         # dK
+        outs[2][...] = dW.astype(dt)
         plgpu.commit_smem()
         last = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=ROWS) == C - 1
-        db = ((Q * dq_inter).sum(1) - kdk + M.sum(1) - plgpu.load(vecs.at[2], layout=ROWS)
-              + jnp.where(last, kdk.sum() + jnp.exp2(b_last) * SdS, 0.0))
-        plgpu.commit_smem()
+        db = db - kdk + jnp.where(last, kdk.sum() + jnp.exp2(b_last) * SdS, 0.0)
         vecs[2] = db
         plgpu.commit_smem()
         for buf, ref in zip(outs, (dq_ref, dk_ref, dw_ref)):

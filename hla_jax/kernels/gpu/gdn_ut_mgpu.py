@@ -220,7 +220,6 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret
         b_row, b_col = plgpu.load(vecs.at[0], layout=ROWS), plgpu.load(vecs.at[1], layout=COLS)
         beta_row, beta_col = plgpu.load(vecs.at[2], layout=ROWS), plgpu.load(vecs.at[3], layout=COLS)
         rho = jnp.exp2(b_row)
-        K = plgpu.load(k_s, layout=WGMMA).astype(F32)
         X = plgpu.load(x_s, layout=WGMMA)
         put(X, xh_s, xl_s)                                         # x_s is free from here
         if dt_ref is not None:
@@ -242,7 +241,7 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret
             dT = dT + plgpu.load(x_s, layout=WGMMA)
         if dkw_ref is not None:
             plgpu.copy_gmem_to_smem(dkw_ref.at[bi, rows, hi], dkw_s, late)   # over V
-        KK = _mm(k_s, k_s.T, (C, C))
+        vecs[4] = (X * dT).sum(0)                                  # column sums, as rows
         XhT, XlT = (plgpu.load(s_.T, layout=WGMMA) for s_ in (xh_s, xl_s))
 
         def xt_dot(y, width):
@@ -254,19 +253,17 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret
         put(m, p_s, q_s)
         dA = -_sum([(p_s, xh_s.T), (p_s, xl_s.T), (q_s, xh_s.T)], (C, C))
         E = dA * causal_decay(b_row, b_col, (C, C), strict=True)
+        KK = _mm(k_s, k_s.T, (C, C))
+        dbeta = (E * KK).sum(1)
         bE = bcast_rows(beta_row, (C, C)) * E
         M = bE * KK
-        vecs[4] = (X * dT).sum(0)                                  # column sums, as rows
         vecs[5] = M.sum(0)
-        dKW = xt_dot(dw_s, d) * bcast_rows(rho * beta_row, (C, d))
+        db = M.sum(1)
         put(bE, p_s)
-        dbeta = (E * KK).sum(1) + plgpu.load(vecs.at[4], layout=ROWS)
-        db = M.sum(1) - plgpu.load(vecs.at[5], layout=ROWS) + (K * dKW).sum(1)
-        BeT = plgpu.load(p_s.T, layout=WGMMA)
-        dK = dKW + _sum([(p_s, k_s), (BeT, k_s)], (C, d))
-        if dkw_ref is not None:
-            plgpu.barrier_wait(late)
-            dK = dK + plgpu.load(dkw_s, layout=WGMMA).astype(F32)
+        dbeta = dbeta + plgpu.load(vecs.at[4], layout=ROWS)
+        dKW = xt_dot(dw_s, d) * bcast_rows(rho * beta_row, (C, d))
+        db = (db - plgpu.load(vecs.at[5], layout=ROWS)
+              + (plgpu.load(k_s, layout=WGMMA).astype(F32) * dKW).sum(1))
 
         def value_grad(t, carry):                                  # dV = β∘(Xᵀ dU), tile t
             if nv > 1:                                             # (one tile: still in ndu_s)
@@ -280,6 +277,11 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret
             return carry
 
         lax.fori_loop(0, nv, value_grad, 0)
+        BeT = plgpu.load(p_s.T, layout=WGMMA)
+        dK = _sum([(p_s, k_s), (BeT, k_s)], (C, d), init=dKW)
+        if dkw_ref is not None:
+            plgpu.barrier_wait(late)
+            dK = dK + plgpu.load(dkw_s, layout=WGMMA).astype(F32)
         k_s[...] = dK.astype(dt)                                   # dK out over K
         plgpu.commit_smem()                                        # the column sums are read
         vecs[4] = dbeta

@@ -99,18 +99,22 @@ def matmul(a, b, shape, init=None, *, interpret=False):
     return lax.optimization_barrier(out)
 
 
-def matmuls(pairs, shape, *, interpret=False):
-    """``Σ a @ b`` over ``pairs`` on the tensor cores: compiled, every product is issued into one
-    accumulator and waited once (``matmul``'s operands)."""
+def matmuls(pairs, shape, init=None, *, interpret=False):
+    """``init + Σ a @ b`` over ``pairs`` on the tensor cores: compiled, every product is issued
+    into one accumulator (seeded with ``init``) and waited once (``matmul``'s operands)."""
     if interpret:
-        return sum(matmul(a, b, shape, interpret=True) for a, b in pairs)
+        out = sum(matmul(a, b, shape, interpret=True) for a, b in pairs)
+        return out if init is None else init + out
 
-    def scoped(acc):
+    def issue(acc):
         for a, b in pairs:
             plgpu.wgmma(acc, a, b)
-        return acc[...]
 
-    return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
+    if init is None:
+        out = pl.run_scoped(lambda acc: (issue(acc), acc[...])[1], plgpu.ACC(shape, F32))
+    else:
+        out = pl.run_state(issue)(plgpu.ACC.init(init))
+    return lax.optimization_barrier(out)
 
 
 def bcast_rows(x, shape):
