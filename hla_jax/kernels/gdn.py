@@ -8,7 +8,8 @@
 Mosaic GPU, on ``kernels/gdn_chunk.py``'s math): the UT transform
 ``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)`` (the inverse by doubling its diagonal
 blocks), ``W = T (ρ∘K)``, ``U = T V``; then one walk over the chunks (``kernels/gpu/gdn_mgpu.py``, Mosaic
-GPU) reads ``V' = U − W S``, the outputs and the state, and keeps the state entering each chunk.
+GPU) reads ``V' = U − W S``, the outputs and the state, and keeps the state entering each chunk
+(under differentiation only: a forward no backward follows writes no residuals).
 The backward, from ``W``, ``V'``, those states and the inverse ``X`` kept by the forward (one
 ``[B,T,H,d]`` and one ``[B,T,H,dv]`` 16-bit array, the states ``[B,H,T/64,dv,d]`` 16-bit, ``X``
 ``[B,H,T,64]`` float32), is one reverse walk (``dV'`` and the cotangent of the state leaving
