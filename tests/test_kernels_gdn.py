@@ -2,7 +2,8 @@
 this CPU: the Mosaic GPU kernels (UT transform and its backward, walks, products) in the GPU
 interpreter against the float32 recurrence (outputs, final state and every gradient: q, k, v, g, β, the
 initial state), with a ragged T, value tiles padded, a reset gate, packed documents through
-``ops.gated_deltanet(impl="pallas")``, the entry's refusals, the lowering for CUDA, and the
+``ops.gated_deltanet(impl="pallas")``, the entry's refusals, the forward walk without its
+residuals, the lowering for CUDA, and the
 chunk-level pieces in float64 (the UT transform's backward, the walk's products) against
 autodiff."""
 
@@ -162,6 +163,28 @@ def test_lowers_for_cuda():
             assert name in text, name
         # the UT transform once (the backward keeps its W), no Triton
         assert text.count("gdn_ut_fwd_mosaic_gpu") == 1 and "__gpu$xla.gpu.triton" not in text
+        text = lower_for("cuda", lambda *a: gdn.core(*a, False), x, x, v, s, s, h0)   # no residuals
+        assert text.count("gdn_ut_fwd_mosaic_gpu") == text.count("gdn_walk_out_mosaic_gpu") == 1
+
+
+def test_forward_walk_without_residuals(rng):
+    """The warp-specialized forward walk (``gdn_mgpu.walk``, GPU interpreter) without ``keep``
+    gives the outputs and final state it gives with it, bitwise, and writes no ``V'`` or states;
+    with it, the states it keeps start from ``s0``."""
+    from hla_jax.kernels.gpu import gdn_mgpu
+
+    B, Tp, H, d, dv = 1, 192, 2, 64, 128
+    q, k, w = (jnp.asarray(0.3 * rng.normal(size=(B, Tp, H, d)), jnp.bfloat16) for _ in range(3))
+    u = jnp.asarray(rng.normal(size=(B, Tp, H, dv)), jnp.bfloat16)
+    b2 = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.2, (B, H, Tp // 64, 64)), jnp.float32), -1)
+    s0 = jnp.asarray(0.3 * rng.normal(size=(B, H, dv, d)), jnp.float32)
+    walk = lambda keep: gdn_mgpu.walk(b2.reshape(B, H, Tp), s0, (q, k, w, u), mode="out",  # noqa: E731
+                                      keep=keep, interpret=True)
+    (o, vn, s, final), (o1, vn1, s1, final1) = walk(True), walk(False)
+    assert vn1 is None and s1 is None and vn.shape == u.shape and s.shape == (B, H, 3, dv, d)
+    np.testing.assert_array_equal(o1, o)
+    np.testing.assert_array_equal(final1, final)
+    np.testing.assert_array_equal(s[:, :, 0], s0.astype(jnp.bfloat16))
 
 
 def test_tpu_backend_lowers_through_mosaic():
