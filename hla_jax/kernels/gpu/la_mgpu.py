@@ -79,42 +79,44 @@ def smem_tile(shape, dtype):
 
 def matmul(a, b, shape, init=None, *, interpret=False):
     """``init + a @ b`` on the tensor cores (``a``: shared memory or 16-bit wgmma registers);
-    compiled, ``init`` seeds the accumulator (the GPU interpreter cannot: it adds, and it
-    multiplies register operands with ``lax.dot``).
-
-    The optimisation barrier keeps arithmetic on the result after the accumulator's wait."""
-    def scoped(acc):
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    if interpret and isinstance(getattr(a, "aval", None), jax.core.ShapedArray):
+    compiled, ``matmuls`` of one pair (``init`` seeds the accumulator); the GPU interpreter
+    cannot seed it: it adds, and it multiplies register operands with ``lax.dot``."""
+    if not interpret:
+        return matmuls([(a, b)], shape, init)
+    if isinstance(getattr(a, "aval", None), jax.core.ShapedArray):
         # registers as the left operand: the interpreter's wgmma reads shared memory only
         out = lax.dot(a, plgpu.load(b), preferred_element_type=F32)
-        out = out if init is None else init + out
-    elif init is None or interpret:
-        out = pl.run_scoped(scoped, plgpu.ACC(shape, F32))
-        out = out if init is None else init + out
     else:
-        out = pl.run_state(lambda acc: plgpu.wgmma(acc, a, b))(plgpu.ACC.init(init))
-    return lax.optimization_barrier(out)
+        out = _accumulated([(a, b)], shape)
+    return lax.optimization_barrier(out if init is None else init + out)
 
 
 def matmuls(pairs, shape, init=None, *, interpret=False):
     """``init + Σ a @ b`` over ``pairs`` on the tensor cores: compiled, every product is issued
-    into one accumulator (seeded with ``init``) and waited once (``matmul``'s operands)."""
+    into one accumulator (seeded with ``init``) and waited once (``matmul``'s operands).
+
+    The optimisation barrier keeps arithmetic on the result after the accumulator's wait."""
     if interpret:
         out = sum(matmul(a, b, shape, interpret=True) for a, b in pairs)
         return out if init is None else init + out
+    if init is None:
+        return lax.optimization_barrier(_accumulated(pairs, shape))
 
     def issue(acc):
         for a, b in pairs:
             plgpu.wgmma(acc, a, b)
 
-    if init is None:
-        out = pl.run_scoped(lambda acc: (issue(acc), acc[...])[1], plgpu.ACC(shape, F32))
-    else:
-        out = pl.run_state(issue)(plgpu.ACC.init(init))
-    return lax.optimization_barrier(out)
+    return lax.optimization_barrier(pl.run_state(issue)(plgpu.ACC.init(init)))
+
+
+def _accumulated(pairs, shape):
+    """``Σ a @ b`` into a fresh accumulator, read once every product is issued."""
+    def scoped(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
 
 
 def bcast_rows(x, shape):
