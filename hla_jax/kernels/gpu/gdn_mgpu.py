@@ -50,6 +50,7 @@ from hla_jax.kernels.gpu.la_mgpu import (
     causal_decay,
     matmul,
     smem_tile,
+    store_state,
 )
 
 MODES = ("out", "rev")
@@ -165,10 +166,7 @@ def _walk_out(b2, s0, q, k, w, u, *, keep, interpret):
 
             s_t = lax.fori_loop(0, N, step, plgpu.load(s_io, layout=WGMMA))
             plgpu.barrier_wait(s_free)
-            s_io[...] = s_t
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s_io, final_ref.at[bi, hi, cols])
-            plgpu.wait_smem_to_gmem(0)
+            store_state(s_t, s_io, final_ref.at[bi, hi, cols])
 
         @pl.when(wg == 1)
         def _out():
@@ -267,10 +265,7 @@ def _walk_rev(b2, s0, q, k, w, do, *, interpret):
 
         s_t = lax.fori_loop(0, N, step, plgpu.load(s_io, layout=WGMMA))
         plgpu.wait_smem_to_gmem(0)
-        s_io[...] = s_t
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s_io, final_ref.at[bi, hi, cols])
-        plgpu.wait_smem_to_gmem(0)
+        store_state(s_t, s_io, final_ref.at[bi, hi, cols])
 
     out_type = [jax.ShapeDtypeStruct(s, t) for s, t in (
         ((B, Tp, H, dv), dt), ((B, H, N, dv, d), dt), ((B, H, dv, d), F32))]

@@ -142,6 +142,14 @@ def causal_decay(b_row, b_col, shape, transpose=False, strict=False):
     return jnp.exp2(jnp.where(keep, expo, -jnp.inf))
 
 
+def store_state(s_t, s_io, dst):
+    """The float32 state ``s_t`` to ``dst`` in memory through the shared tile ``s_io``, waited."""
+    s_io[...] = s_t
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(s_io, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def build(body, out_type, scratch, grid, names, interpret, name, **threads):
     """``plgpu.kernel`` named ``name``; ``threads``: ``num_threads``, ``thread_name`` of a
     warp-specialized kernel."""
@@ -268,10 +276,7 @@ def walk(key, val, b2, s0, extra=(), *, mode, reverse=False, interpret=None):
 
         s_t = lax.fori_loop(0, N, step, s_init)
         plgpu.wait_smem_to_gmem(0)
-        s_io[...] = s_t
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s_io, final_ref.at[bi, hi, cols])
-        plgpu.wait_smem_to_gmem(0)
+        store_state(s_t, s_io, final_ref.at[bi, hi, cols])
 
     out_type = [jax.ShapeDtypeStruct(s, F32) for s in out_type + [(B, H, dv, d)]]
     name = f"la_walk_{mode}" + "_rev" * reverse
