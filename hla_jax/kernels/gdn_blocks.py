@@ -33,6 +33,7 @@ from hla_jax.kernels.gpu import gdn_levels, gdn_sweep, gdn_terms, gdn_ut_mgpu
 from hla_jax.kernels.gpu.la_mgpu import F32, LOG2E, C
 from hla_jax.kernels.la_chunk import decays
 from hla_jax.ops import common
+from hla_jax.ops.loglinear_blocks import dot16
 from hla_jax.ops.loglinear_chunked import delta_terms
 
 
@@ -73,16 +74,26 @@ def _delta_fwd(q, k, w, u, t, b, interpret):
     return delta(q, k, w, u, t, b, interpret), (q, k, w, u, t, b)
 
 
+def _dot(spec, a, b):
+    """``einsum(spec, a, b)``: ``dot16`` for two 16-bit operands (16-bit products both ways),
+    else in float32 at the enclosing matmul precision."""
+    if all(jnp.dtype(x.dtype).itemsize < 4 for x in (a, b)):
+        return dot16(spec, a, b)
+    return common.ein(spec, a.astype(F32), b.astype(F32))
+
+
 def _delta_xla(q, k, w, u, t, b):
-    """``gdn_terms.forward`` by XLA (``loglinear_chunked.delta_terms``), in its layouts."""
+    """``gdn_terms.forward`` by XLA (``loglinear_chunked.delta_terms``), in its layouts; the
+    products of two 16-bit operands (``QKᵀ``, ``K̃ᵀW``, ``K̃ᵀU``, ``K̃`` rounded to 16 bits)
+    take 16-bit operands both ways, so the backward reads and writes 16-bit per-chunk terms."""
     B, Tp, H, d = q.shape
     N = Tp // C
-    chunked = lambda x: jnp.moveaxis(x.astype(F32), 2, 1).reshape(B, H, N, C, -1)  # noqa: E731
+    chunked = lambda x: jnp.moveaxis(x, 2, 1).reshape(B, H, N, C, -1)         # noqa: E731
     bb = b.reshape(B, H, N, C)
     Gam = jnp.vectorize(lambda x: decays(x)[3], signature="(c)->(c,c)")(bb)  # the kernel's Γ
     M, Qh, A_c, Kt = delta_terms(chunked(q), chunked(k), Gam, jnp.exp(bb),
-                                 t.reshape(B, H, N, C, C), chunked(w))
-    Z = common.ein("...cd,...cv->...dv", Kt, chunked(u))
+                                 t.reshape(B, H, N, C, C), chunked(w), dot=_dot)
+    Z = _dot("...cd,...cv->...dv", Kt, chunked(u))
     return (M.reshape(B, H, Tp, C), Qh.reshape(B, H, Tp, d).astype(q.dtype), A_c.astype(q.dtype),
             Z.astype(q.dtype))
 
