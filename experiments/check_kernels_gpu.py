@@ -26,8 +26,9 @@ Kernels (``CASES``), compiled, not interpreted:
   the block forms (``ops.loglinear_blocks``, ``ops.loglinear_gdn_blocks``: XLA matmuls, no kernel
   of their own), GPU numerics checked the same way;
 - ``loglinear_gated_deltanet_blocks_ut``: ``ops.loglinear_gdn_blocks.blocks(terms="kernel")``, that
-  block form with its chunk terms from the first-order kernel's Triton UT transform and the
-  Triton chunk-terms kernel (``kernels/gpu/gdn_terms.py``);
+  block form with its chunk terms from the first-order kernel's Mosaic GPU UT transform and the
+  Triton chunk-terms kernel (``kernels/gpu/gdn_terms.py``), their backward Mosaic GPU's
+  (``kernels/gpu/gdn_terms_mgpu.py``, then the UT backward), and the levels' Triton kernels;
 - ``jla_gated_deltanet``: the ``jax-linear-attention`` wheel's Mosaic GPU Gated DeltaNet
   (``linear_attention("gated_deltanet", impl="mosaic_gpu", scale=1)``, from an initial state and
   returning the final state), not ours: its errors under the same oracle and limits, beside our

@@ -155,8 +155,8 @@ def test_auto_takes_the_ut_terms_where_the_kernel_runs(rng, monkeypatch):
 
 def test_block_form_ut_terms_lower_for_cuda():
     """The kernel chunk terms, forward and backward, go through the real lowering at the
-    benchmark's head dim 128: Mosaic GPU's UT transform and its backward with ``T``'s own
-    cotangent, Triton's chunk terms."""
+    benchmark's head dim 128: Mosaic GPU's UT transform, Triton's chunk terms, then Mosaic GPU's
+    chunk-terms backward and the UT backward with ``T``'s own cotangent."""
     from hla_jax.kernels import gdn_blocks
 
     x = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
@@ -164,7 +164,44 @@ def test_block_form_ut_terms_lower_for_cuda():
     loss = lambda *a: sum(jnp.sum(t) for t in gdn_blocks.chunk_terms(*a, 256, interpret=False))
     text = lower_for("cuda", jax.value_and_grad(loss, argnums=range(5)), x, x, x, s, s)
     assert text.count("__gpu$xla.gpu.triton") == 1, "the chunk terms"
-    assert text.count("gdn_ut_fwd_mosaic_gpu") == 1 and "gdn_ut_bwd" in text
+    for kernel in ("gdn_ut_fwd", "gdn_terms_bwd", "gdn_ut_bwd"):
+        assert text.count(f"{kernel}_mosaic_gpu") == 1, kernel
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 192)])   # one value tile; three of 64
+def test_chunk_terms_backward_kernel_is_the_vjp(rng, d, dv):
+    """``gdn_terms_mgpu.backward`` (GPU interpreter, float32) against autodiff of the chunk
+    terms by XLA (``loglinear_chunked.delta_terms``, exact float32 products): ``dq, dk, dw, dU``,
+    ``T``'s cotangent and ``∂L/∂b``, two chunks."""
+    from hla_jax.kernels.gpu import gdn_terms_mgpu
+    from hla_jax.kernels.gpu.la_mgpu import LOG2E
+    from hla_jax.kernels.la_chunk import decays
+    from hla_jax.ops.loglinear_chunked import delta_terms
+
+    B, H, C, N = 1, 2, 64, 2
+    Tp = N * C
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    q, k, w, u = normal(B, Tp, H, d), normal(B, Tp, H, d), 0.3 * normal(B, Tp, H, d), normal(B, Tp, H, dv)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    t = 0.1 * normal(B, H, Tp, C)
+    b = jnp.cumsum(-jnp.asarray(rng.uniform(0, 0.1, (B, H, N, C)), jnp.float32), -1).reshape(B, H, Tp)
+    cts = (normal(B, H, Tp, C), normal(B, H, Tp, d), normal(B, H, N, d, d), normal(B, H, N, d, dv))
+
+    def xla(q, k, w, u, t, b):
+        chunked = lambda x: jnp.moveaxis(x, 2, 1).reshape(B, H, N, C, -1)  # noqa: E731
+        bb = b.reshape(B, H, N, C)
+        Gam = jnp.vectorize(lambda x: decays(x)[3], signature="(c)->(c,c)")(bb)
+        M, Qh, A_c, Kt = delta_terms(chunked(q), chunked(k), Gam, jnp.exp(bb),
+                                     t.reshape(B, H, N, C, C), chunked(w))
+        return (M.reshape(B, H, Tp, C), Qh.reshape(B, H, Tp, d), A_c,
+                jnp.einsum("...cd,...cv->...dv", Kt, chunked(u)))
+
+    with jax.default_matmul_precision("highest"):
+        want = jax.vjp(xla, q, k, w, u, t, b)[1](cts)
+    dq, dk, dw, ndu, dt, db = gdn_terms_mgpu.backward(q, k, w, u, t, b * LOG2E, *cts,
+                                                      interpret=True)
+    for name, got, ref in zip(("dq", "dk", "dw", "du", "dT", "db"), (dq, dk, dw, -ndu, dt, db), want):
+        assert_close(got, ref, 1e-5, name)
 
 
 def _levels_inputs(rng, dtype, B=1, H=2, N=13, c=16, d=16, dv=32):

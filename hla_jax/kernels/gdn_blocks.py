@@ -13,11 +13,11 @@ floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``
     T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β),   W = T(ρ∘K),   U = T V    (gdn_ut_mgpu)
     P = (Q Kᵀ) ∘ Γ,   M = P T,   Q̂ = ρ∘Q − P W,   A_c = ρ_c I − K̃ᵀ W,   Z = K̃ᵀ U   (gdn_terms)
 
-(as ``loglinear_chunked.delta_terms`` in XLA, whose autodiff is ``gdn_terms``' backward: a
-Triton backward of its own, one program per chunk, was slower on the H200).  The UT
-transform's backward is the first-order kernel's, handed ``T``'s own cotangent (from ``M``) to
-add to the ``dT = dW (ρ∘K)ᵀ + dU Vᵀ`` it forms; it gives the UT transform's whole share of
-``∂L/∂b``.
+(as ``loglinear_chunked.delta_terms`` in XLA).  Their backward is a Mosaic GPU kernel
+(``kernels/gpu/gdn_terms_mgpu.py``: ``dQ``, the terms' share of ``dK``, ``dW``, ``−dU``, ``T``'s
+own cotangent and the terms' share of ``∂L/∂b``), then the first-order kernel's UT backward,
+handed those to add to the ``dT = dW (ρ∘K)ᵀ + dU Vᵀ`` and ``dK`` it forms; it gives the UT
+transform's share of ``∂L/∂b``.
 """
 
 from __future__ import annotations
@@ -29,89 +29,51 @@ import jax.numpy as jnp
 import numpy as np
 
 from hla_jax.kernels import wrap
-from hla_jax.kernels.gpu import gdn_levels, gdn_sweep, gdn_terms, gdn_ut_mgpu
+from hla_jax.kernels.gpu import gdn_levels, gdn_sweep, gdn_terms, gdn_terms_mgpu, gdn_ut_mgpu
 from hla_jax.kernels.gpu.la_mgpu import F32, LOG2E, C
-from hla_jax.kernels.la_chunk import decays
-from hla_jax.ops import common
-from hla_jax.ops.loglinear_blocks import dot16
-from hla_jax.ops.loglinear_chunked import delta_terms
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def ut(k, v, b, beta, interpret):
-    """``(W [B,Tp,H,d], U [B,Tp,H,dv]`` in ``k``'s dtype, ``T [B,H,Tp,C]`` float32: row ``τ``,
-    its chunk's column ``σ``) from ``k [B,Tp,H,d]``, ``v [B,Tp,H,dv]`` (``dv`` a multiple of 64),
-    ``b, beta [B,H,Tp]`` float32."""
-    return _ut_fwd(k, v, b, beta, interpret)[0]
+def _t(x, beta):
+    """``T = X diag(β)`` per chunk: ``x [B,H,Tp,C]``, ``beta [B,H,Tp]``."""
+    B, H, Tp = beta.shape
+    return (x.reshape(B, H, Tp // C, C, C) * beta.reshape(B, H, Tp // C, 1, C)).reshape(B, H, Tp, C)
 
 
-def _ut_fwd(k, v, b, beta, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def terms(q, k, v, b, beta, interpret):
+    """``(M [B,H,Tp,C]`` float32, ``Q̂ [B,H,Tp,d]``, ``A_c [B,H,N,d,d]``, ``Z [B,H,N,d,dv]`` in
+    ``q``'s dtype) from ``q, k [B,Tp,H,d]``, ``v [B,Tp,H,dv]`` (``dv`` a multiple of 64), ``b, beta
+    [B,H,Tp]`` float32: the UT transform, then ``gdn_terms``."""
+    return _terms_fwd(q, k, v, b, beta, interpret)[0]
+
+
+def _terms_fwd(q, k, v, b, beta, interpret):
     b2 = b * LOG2E
     w, u, x = gdn_ut_mgpu.forward(k, v, b2, beta, interpret=interpret)
-    B, H, Tp = b.shape
-    t = (x.reshape(B, H, Tp // C, C, C) * beta.reshape(B, H, Tp // C, 1, C)).reshape(B, H, Tp, C)
-    return (w, u, t), (k, v, b2, beta, x)
+    out = gdn_terms.forward(q, k, w, u, _t(x, beta), b, interpret=interpret)
+    return out, (q, k, v, b2, beta, w, u, x)
 
 
-def _ut_bwd(interpret, res, cts):
-    k, v, b2, beta, x = res
-    dw, du, dt = cts
-    dk, dv, dbeta, db = gdn_ut_mgpu.backward(k, v, b2, beta, x, dw, -du, dt_own=dt,
-                                             interpret=interpret)
-    return dk, dv, db, dbeta
+def _terms_bwd(interpret, res, cts):
+    """``gdn_terms_mgpu.backward``, then the UT backward handed its ``dW``, ``−dU``, ``dK`` and
+    ``T``'s own cotangent."""
+    q, k, v, b2, beta, w, u, x = res
+    dq, dk, dw, ndu, dt, db = gdn_terms_mgpu.backward(q, k, w, u, _t(x, beta), b2, *cts,
+                                                      interpret=interpret)
+    dk, dv, dbeta, db_ut = gdn_ut_mgpu.backward(k, v, b2, beta, x, dw, ndu, dk, dt_own=dt,
+                                                interpret=interpret)
+    return dq, dk, dv, db + db_ut, dbeta
 
 
-ut.defvjp(_ut_fwd, _ut_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def delta(q, k, w, u, t, b, interpret):
-    """``(M, Q̂, A_c, Z)`` from the UT transform's ``w, u, t`` (``kernels/gpu/gdn_terms.py``)."""
-    return gdn_terms.forward(q, k, w, u, t, b, interpret=interpret)
-
-
-def _delta_fwd(q, k, w, u, t, b, interpret):
-    return delta(q, k, w, u, t, b, interpret), (q, k, w, u, t, b)
-
-
-def _dot(spec, a, b):
-    """``einsum(spec, a, b)``: ``dot16`` for two 16-bit operands (16-bit products both ways),
-    else in float32 at the enclosing matmul precision."""
-    if all(jnp.dtype(x.dtype).itemsize < 4 for x in (a, b)):
-        return dot16(spec, a, b)
-    return common.ein(spec, a.astype(F32), b.astype(F32))
-
-
-def _delta_xla(q, k, w, u, t, b):
-    """``gdn_terms.forward`` by XLA (``loglinear_chunked.delta_terms``), in its layouts; the
-    products of two 16-bit operands (``QKᵀ``, ``K̃ᵀW``, ``K̃ᵀU``, ``K̃`` rounded to 16 bits)
-    take 16-bit operands both ways, so the backward reads and writes 16-bit per-chunk terms."""
-    B, Tp, H, d = q.shape
-    N = Tp // C
-    chunked = lambda x: jnp.moveaxis(x, 2, 1).reshape(B, H, N, C, -1)         # noqa: E731
-    bb = b.reshape(B, H, N, C)
-    Gam = jnp.vectorize(lambda x: decays(x)[3], signature="(c)->(c,c)")(bb)  # the kernel's Γ
-    M, Qh, A_c, Kt = delta_terms(chunked(q), chunked(k), Gam, jnp.exp(bb),
-                                 t.reshape(B, H, N, C, C), chunked(w), dot=_dot)
-    Z = _dot("...cd,...cv->...dv", Kt, chunked(u))
-    return (M.reshape(B, H, Tp, C), Qh.reshape(B, H, Tp, d).astype(q.dtype), A_c.astype(q.dtype),
-            Z.astype(q.dtype))
-
-
-def _delta_bwd(interpret, res, cts):
-    """XLA's autodiff of ``_delta_xla`` (its unused forward products are dead code there)."""
-    return jax.vjp(_delta_xla, *res)[1](cts)
-
-
-delta.defvjp(_delta_fwd, _delta_bwd)
+terms.defvjp(_terms_fwd, _terms_bwd)
 
 
 def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
     """``(M [B,H,N,C,C]`` float32, ``Q̂ [B,H,N,C,d]``, ``A_c [B,H,N,d,d]``, ``Z [B,H,N,d,dv]`` in
     ``q``'s dtype) per chunk, heads first, for ``q, k [B,T,H,d]``, ``v [B,T,H,dv]``,
     ``g, beta [B,T,H]`` zero-padded to ``Tp`` tokens (a multiple of ``C``): the UT transform,
-    then ``P``, ``M``, ``Q̂``, ``A_c``, ``Z`` (``kernels/gpu/gdn_terms.py``; their backward by
-    XLA's autodiff of the same terms).  ``interpret=None``: the GPU and Triton interpreters on CPU
+    then ``P``, ``M``, ``Q̂``, ``A_c``, ``Z`` (``kernels/gpu/gdn_terms.py``; their backward
+    ``kernels/gpu/gdn_terms_mgpu.py``'s, then the UT's).  ``interpret=None``: the GPU and Triton interpreters on CPU
     (which also take float32 inputs)."""
     B, T, H, d = k.shape
     dv, N = v.shape[-1], Tp // C
@@ -123,8 +85,7 @@ def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
     G = jnp.maximum(per_token(g), wrap.LOG_DECAY_FLOOR).reshape(B, H, N, C)
     b = jnp.cumsum(G, -1).reshape(B, H, Tp)
     q, k, v = wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, -(-dv // 64) * 64)
-    w, u, t = ut(k, v, b, per_token(beta), interpret)
-    M, Qh, A_c, Z = delta(q, k, w, u, t, b, interpret)
+    M, Qh, A_c, Z = terms(q, k, v, b, per_token(beta), interpret)
     chunk = lambda x: x.reshape(B, H, N, C, -1)                                 # noqa: E731
     return chunk(M), chunk(Qh), A_c, Z[..., :dv]
 

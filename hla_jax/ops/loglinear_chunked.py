@@ -49,18 +49,17 @@ def chunk_decays(G):
     return common.decay_matrix(G), jnp.exp(jnp.cumsum(G, axis=-1))
 
 
-def delta_terms(Q, K, Gam, gamma, Tm, W, dot=common.ein):
+def delta_terms(Q, K, Gam, gamma, Tm, W):
     """Gated DeltaNet's ``(M, Q̂, A_c, K̃)`` of one chunk given its decays (``chunk_decays``), its
     UT transform ``Tm [..., c, c]`` and ``W = T(γ∘K) [..., c, d]`` (however computed:
     ``chunk_terms`` or the UT kernel): ``P = (QKᵀ)∘Γ``, ``M = P T``, ``Q̂ = γ∘Q − P W``,
-    ``A_c = γ_c I − K̃ᵀ W``, ``K̃ = (γ_c/γ)∘K`` (in ``K``'s dtype); ``dot(spec, a, b)`` forms
-    the products."""
-    Kt = (Gam[..., -1, :, None] * K).astype(K.dtype)
-    P = dot("...td,...sd->...ts", Q, K) * Gam
+    ``A_c = γ_c I − K̃ᵀ W``, ``K̃ = (γ_c/γ)∘K``."""
+    Kt = Gam[..., -1, :, None] * K
+    P = common.ein("...td,...sd->...ts", Q, K) * Gam
     d = K.shape[-1]
-    A_c = gamma[..., -1, None, None] * jnp.eye(d, dtype=gamma.dtype) - dot("...cd,...ce->...de", Kt, W)
-    return (dot("...ts,...sr->...tr", P, Tm), gamma[..., None] * Q - dot("...ts,...sd->...td", P, W),
-            A_c, Kt)
+    A_c = gamma[..., -1, None, None] * jnp.eye(d, dtype=K.dtype) - common.ein("...cd,...ce->...de", Kt, W)
+    return (common.ein("...ts,...sr->...tr", P, Tm),
+            gamma[..., None] * Q - common.ein("...ts,...sd->...td", P, W), A_c, Kt)
 
 
 def _prefix_plain(Qh, A_c, own, seq_axis=None, h0=None):

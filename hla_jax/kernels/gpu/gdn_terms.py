@@ -6,8 +6,8 @@ the chunk's end, ``Γ[τ,σ] = ρ_τ/ρ_σ`` for ``τ ≥ σ``), the UT transfor
 
     P = (Q Kᵀ) ∘ Γ,   M = P T,   Q̂ = ρ∘Q − P W,   K̃ = (ρ_c/ρ)∘K,   A_c = ρ_c I − K̃ᵀ W,   Z = K̃ᵀ U
 
-(``loglinear_chunked.delta_terms`` in XLA, whose autodiff is its backward:
-``kernels.gdn_blocks.delta``).
+(``loglinear_chunked.delta_terms`` in XLA; the backward is ``gdn_terms_mgpu.backward``, on
+Hopper's tensor cores: ``kernels.gdn_blocks.terms``).
 
 Inputs stay in the caller's layout, ``q, k, w [B,Tp,H,d]``, ``u [B,Tp,H,dv]`` (``dv`` a
 multiple of 64, taken 128 or 64 columns at a time), ``t [B,H,Tp,c]`` and ``b [B,H,Tp]`` float32;
