@@ -276,6 +276,30 @@ def test_profile_gdn_summary_reads_ncu_csv(tmp_path):
         profile_gdn.summary(str(tmp_path / "short.csv"))
 
 
+def test_trace_gdn_blocks_reads_kernels_from_a_perfetto_trace():
+    """The trace table: the GPU's kernel events only (not the host's), averaged over the calls by
+    launch position, each fusion named from the optimized HLO; a trace that does not split into
+    the calls is refused."""
+    from experiments import trace_gdn_blocks
+
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 7, "ts": 0, "dur": 99, "name": "host_op"}]
+    for call in range(2):
+        for i, (name, dur) in enumerate((("loop_add_fusion_1", 10 + call), ("kernel__3", 30))):
+            events.append({"ph": "X", "pid": 1, "ts": 100 * call + i, "dur": dur, "name": name,
+                           "args": {"kernel_details": "regs:24 grid:8,16,2 block:128,1,1"}})
+    hlo = ('  %loop_add_fusion.1 = f32[8,16]{1,0} fusion(%a, %b), kind=kLoop, '
+           'metadata={op_name="jit(f)/transpose(jvp())/add_any"}\n')
+    rows = trace_gdn_blocks.kernels(events, hlo, calls=2)
+    assert [(r["name"], r["us"], r["grid"]) for r in rows] == [("loop_add_fusion_1", 10.5, "8,16,2"),
+                                                              ("kernel__3", 30.0, "8,16,2")]
+    assert rows[0]["shape"] == "f32[8,16]{1,0}" and rows[0]["op"].endswith("add_any")
+    assert trace_gdn_blocks.table(rows).splitlines()[-1] == "2 kernels, 0.04 ms a call"
+    with pytest.raises(ValueError, match="do not split into 3"):
+        trace_gdn_blocks.kernels(events, hlo, calls=3)
+
+
 def test_set_overrides_the_trained_config_and_names_it():
     """``--set KEY=VALUE`` (mqar.py, and the ``--train`` of position_loss.py / niah.py): typed
     values on dotted keys; the run's label names the HLA options it turned on."""
