@@ -97,7 +97,8 @@ def run(a) -> list[dict]:
     args = inputs(B, T, shape)
     with common.matmul_precision(*args[:3]):
         f = fwd_bwd(functools.partial(loglinear_gdn_blocks.blocks, chunk_size=64, terms="kernel"))
-        hlo = f.lower(*args).compile().as_text()
+        f = f.lower(*args).compile()
+        hlo = f.as_text()
         jax.block_until_ready(f(*args))
         with tempfile.TemporaryDirectory() as tmp:
             with jax.profiler.trace(tmp, create_perfetto_trace=True):
