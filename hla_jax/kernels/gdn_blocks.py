@@ -73,8 +73,8 @@ def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
     ``q``'s dtype) per chunk, heads first, for ``q, k [B,T,H,d]``, ``v [B,T,H,dv]``,
     ``g, beta [B,T,H]`` zero-padded to ``Tp`` tokens (a multiple of ``C``): the UT transform,
     then ``P``, ``M``, ``Q̂``, ``A_c``, ``Z`` (``kernels/gpu/gdn_terms.py``; their backward
-    ``kernels/gpu/gdn_terms_mgpu.py``'s, then the UT's).  ``interpret=None``: the GPU and Triton interpreters on CPU
-    (which also take float32 inputs)."""
+    ``kernels/gpu/gdn_terms_mgpu.py``'s, then the UT's).  ``interpret=None``: the GPU and
+    Triton interpreters on CPU (which also take float32 inputs)."""
     B, T, H, d = k.shape
     dv, N = v.shape[-1], Tp // C
     interpret = bool(jax.default_backend() == "cpu" if interpret is None else interpret)

@@ -24,8 +24,6 @@ dtype and ``∂L/∂b [d/64,B,H,Tp]`` float32, one share per block of keys.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -41,8 +39,9 @@ from hla_jax.kernels.gpu.la_mgpu import (
     bcast_rows,
     build,
     causal_decay,
-    matmul,
+    products,
     smem_tile,
+    value_tiles,
 )
 
 KB = 64  # keys per CTA
@@ -53,9 +52,8 @@ def backward(q, k, vn, do, ndvn, s, ds, b2, *, interpret=None):
     B, Tp, H, d = q.shape
     dv, dt, N = vn.shape[-1], q.dtype, Tp // C
     kb = min(KB, d)
-    bv = 128 if dv % 128 == 0 else 64
-    nv = dv // bv
-    _mm = functools.partial(matmul, interpret=bool(interpret))
+    bv, nv = value_tiles(dv)
+    _mm, _ = products(interpret)
 
     def tile(rows, cols):
         return smem_tile((rows, cols), dt)

@@ -28,8 +28,6 @@ of 64), ``t, dm [B,H,Tp,C]`` float32, ``b2 [B,H,Tp]`` the local log2-decay, ``dq
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -46,9 +44,9 @@ from hla_jax.kernels.gpu.la_mgpu import (
     bcast_rows,
     build,
     causal_decay,
-    matmul,
-    matmuls,
+    products,
     smem_tile,
+    value_tiles,
 )
 
 
@@ -56,10 +54,8 @@ def backward(q, k, w, u, t, b2, dm, dqh, da, dz, *, interpret=None):
     """``(dq, dk, dw, −du, dT, ∂L/∂b)`` (module docstring)."""
     B, Tp, H, d = q.shape
     dv, dt, N = u.shape[-1], q.dtype, Tp // C
-    bv = 128 if dv % 128 == 0 else 64
-    nv = dv // bv
-    _mm = functools.partial(matmul, interpret=bool(interpret))
-    _sum = functools.partial(matmuls, interpret=bool(interpret))
+    bv, nv = value_tiles(dv)
+    _mm, _sum = products(interpret)
     cc = smem_tile((C, C), dt)
     f32 = plgpu.SMEM((C, C), F32)
 

@@ -42,8 +42,6 @@ Returns ``dk [B,Tp,H,d]``, ``dv [B,Tp,H,dv]`` in the input dtype and ``dβ``, ``
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -60,9 +58,9 @@ from hla_jax.kernels.gpu.la_mgpu import (
     bcast_rows,
     build,
     causal_decay,
-    matmul,
-    matmuls,
+    products,
     smem_tile,
+    value_tiles,
 )
 from hla_jax.kernels.loglinear_gdn_chunk import coupling
 
@@ -90,9 +88,8 @@ def forward(k, v, b2, beta, *, keep=True, interpret=None):
     ``v [B,Tp,H,dv]``, ``b2, β [B,H,Tp]`` float32."""
     B, Tp, H, d = k.shape
     dv, dt, N = v.shape[-1], k.dtype, Tp // C
-    bv = 128 if dv % 128 == 0 else 64
-    nv = dv // bv
-    _sum = functools.partial(matmuls, interpret=bool(interpret))
+    bv, nv = value_tiles(dv)
+    _, _sum = products(interpret)
     cc = smem_tile((C, C), dt)
     scratch = dict(
         k_s=smem_tile((C, d), dt), v_s=smem_tile((C, bv), dt), xh_s=cc, xl_s=cc,  # K, V: then W, U
@@ -170,10 +167,8 @@ def backward(k, v, b2, beta, x, dw, ndu, dk_walk=None, *, dt_own=None, interpret
     """``(dk, dv, dβ, ∂L/∂b)`` (module docstring); ``ndu = −dU``."""
     B, Tp, H, d = k.shape
     dv, dt, N = v.shape[-1], k.dtype, Tp // C
-    bv = 128 if dv % 128 == 0 else 64
-    nv = dv // bv
-    _mm = functools.partial(matmul, interpret=bool(interpret))
-    _sum = functools.partial(matmuls, interpret=bool(interpret))
+    bv, nv = value_tiles(dv)
+    _mm, _sum = products(interpret)
     cc = smem_tile((C, C), dt)
 
     def tile(width):

@@ -119,6 +119,19 @@ def _accumulated(pairs, shape):
     return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
 
 
+def value_tiles(dv: int) -> tuple[int, int]:
+    """``(bv, nv)``: ``dv`` value columns as ``nv`` tiles of ``bv = 128`` (64 when ``dv`` is an odd
+    multiple of 64)."""
+    bv = 128 if dv % 128 == 0 else 64
+    return bv, dv // bv
+
+
+def products(interpret):
+    """``(matmul, matmuls)`` compiled, or in the GPU interpreter for a true ``interpret``."""
+    return (functools.partial(matmul, interpret=bool(interpret)),
+            functools.partial(matmuls, interpret=bool(interpret)))
+
+
 def bcast_rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
