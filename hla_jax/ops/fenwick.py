@@ -55,6 +55,14 @@ def level_table(c: int) -> np.ndarray:
     return np.where(j <= i, level(i, j), -1)
 
 
+def at_table(Lam, table: np.ndarray):
+    """``λ`` of each row at the static levels ``table [c, K]`` (clipped to ``Lam``'s ``L`` levels):
+    ``Lam [..., c, L]`` -> ``[..., c, K]``, one select per level the table holds (no gather
+    forward, no scatter-add backward)."""
+    table = np.clip(table, 0, Lam.shape[-1] - 1)
+    return sum(jnp.where(table == lev, Lam[..., lev, None], 0.0) for lev in np.unique(table))
+
+
 def chunk_log2(chunk_size: int) -> int:
     """``log2 c`` for a power-of-two chunk size; ValueError otherwise.
 

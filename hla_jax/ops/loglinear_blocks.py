@@ -112,8 +112,7 @@ def _chunk_decay(G):
 def _intra(Q, K, V, G, Lam, lc: int, dot):
     """Levels ``0..lc`` inside each chunk: ``(Λ ∘ (QKᵀ) ∘ Γ) V`` with ``Λ[τ,σ] = λ_τ^{ℓ(τ,σ)}``
     from the static table (``Q, K: [B,H,N,c,d]``, ``G: [B,H,N,c]``, ``Lam: [B,H,N,c,L]``)."""
-    table = jnp.asarray(fenwick.level_table(1 << lc))
-    lam = sum(jnp.where(table == lev, Lam[..., lev, None], 0.0) for lev in range(lc + 1))
+    lam = fenwick.at_table(Lam, fenwick.level_table(1 << lc))
     P = dot("...td,...sd->...ts", Q, K) * _chunk_decay(G) * lam
     return dot("...ts,...sv->...tv", P.astype(V.dtype), V)
 

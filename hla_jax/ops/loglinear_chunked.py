@@ -79,11 +79,9 @@ def _prefix_plain(Qh, A_c, own, seq_axis=None, h0=None):
 
 def _at_levels(Lam, idx):
     """``λ`` at integer levels: ``Lam: [B,H,N,c,L]``, ``idx`` broadcastable to ``[B,H,N,c,K]``
-    (clipped to the table) -> ``[B,H,N,c,K]``.  A static (NumPy) ``idx`` takes one select per
-    level it holds, so neither a gather forward nor a scatter-add backward."""
+    (clipped to the table) -> ``[B,H,N,c,K]``; a static (NumPy) ``idx``: ``fenwick.at_table``."""
     if isinstance(idx, np.ndarray):
-        idx = np.clip(idx, 0, Lam.shape[-1] - 1)
-        return sum(jnp.where(idx == lev, Lam[..., lev, None], 0.0) for lev in np.unique(idx))
+        return fenwick.at_table(Lam, idx)
     idx = jnp.clip(idx, 0, Lam.shape[-1] - 1)
     return jnp.take_along_axis(Lam, jnp.broadcast_to(idx, Lam.shape[:-1] + idx.shape[-1:]), -1)
 

@@ -29,8 +29,6 @@ states ``[B,H,dv,d]`` float32 (transposed), the per-chunk ones ``[B,H,N,dv,d]`` 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -48,7 +46,7 @@ from hla_jax.kernels.gpu.la_mgpu import (
     bcast_rows,
     build,
     causal_decay,
-    matmul,
+    products,
     smem_tile,
     store_state,
 )
@@ -83,7 +81,7 @@ def _walk_out(b2, s0, q, k, w, u, *, keep, interpret):
     deep.  So the output's products leave the state's chain of dependent steps."""
     B, Tp, H, d = k.shape
     dv, dt, N = u.shape[-1], k.dtype, Tp // C
-    _mm = functools.partial(matmul, interpret=bool(interpret))
+    _mm, _ = products(interpret)
     vec = plgpu.SMEM((2, C), F32)
     scratch = dict(
         q_s=smem_tile((2, C, d), dt), k_s=smem_tile((2, C, d), dt), w_s=smem_tile((2, C, d), dt),
@@ -209,7 +207,7 @@ def _walk_rev(b2, s0, q, k, w, do, *, interpret):
     then ``dSᵀ ← ρ_c dSᵀ + (ρ∘dO)ᵀ Q − dV'ᵀ W``."""
     B, Tp, H, d = k.shape
     dv, dt, N = do.shape[-1], k.dtype, Tp // C
-    _mm = functools.partial(matmul, interpret=bool(interpret))
+    _mm, _ = products(interpret)
     vec = plgpu.SMEM((2, C), F32)
     scratch = dict(
         x_s=[smem_tile((2, C, d if i < 3 else BV), dt) for i in range(4)], b_c=vec, b_r=vec,

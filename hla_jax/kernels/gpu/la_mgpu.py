@@ -188,7 +188,7 @@ def walk(key, val, b2, s0, extra=(), *, mode, reverse=False, interpret=None):
     """
     B, Tp, H, d = key.shape
     dv, dt, N, nv = val.shape[-1], key.dtype, Tp // C, val.shape[-1] // BV
-    _mm = functools.partial(matmul, interpret=bool(interpret))
+    _mm, _ = products(interpret)
     vec = plgpu.SMEM((2, C), F32)
     tile = {"k": (2, C, d), "v": (2, C, BV)}
     extras = {"state": "", "out": "k", "dq": "vk", "dkv": "kv"}[mode]  # extra tiles' widths
