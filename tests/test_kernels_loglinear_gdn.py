@@ -1,7 +1,5 @@
 """Log-linear Gated DeltaNet Pallas kernels (interpret mode on CPU) vs the quadratic reference."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -222,13 +220,27 @@ def _levels_of(N, c, kernel):
 def test_levels_kernel_matches_xla_x64(x64, rng):
     """The chunk levels' Triton kernels (interpreter) against XLA's up-sweep and pass per level
     in float64 (13 chunks: odd node counts, the last blocks partial): the output and the
-    gradients of ``Q̂``, ``Π``, ``Z``, ``Λ`` (the sweep's backward kernel; the reads' by XLA)."""
+    gradients of ``Q̂``, ``Π``, ``Z``, ``Λ`` (the sweep's and the reads' backward kernels)."""
     args = _levels_inputs(rng, jnp.float64)
     ker, xla = _levels_of(13, 16, True), _levels_of(13, 16, False)
     assert_close(ker(*args), xla(*args), 1e-12)
     w = jnp.asarray(rng.normal(size=(1, 2, 13 * 16, 32)))
     for name, a, b in zip(("Q̂", "Π", "Z", "Λ"), grads_of(ker, args, range(4), w),
                           grads_of(xla, args, range(4), w)):
+        assert_close(a, b, 1e-12, "d" + name)
+
+
+def test_levels_backward_in_runs_x64(x64, rng, monkeypatch):
+    """Right halves summed in runs of 2 chunks (``gdn_levels.RUN``; runs of 16 at the benchmark's
+    sizes), the runs of a pair then by XLA, a run past the last chunk empty: the gradients equal
+    XLA's levels in float64 (13 chunks)."""
+    from hla_jax.kernels.gpu import gdn_levels
+
+    monkeypatch.setattr(gdn_levels, "RUN", 2)
+    args = _levels_inputs(rng, jnp.float64)
+    w = jnp.asarray(rng.normal(size=(1, 2, 13 * 16, 32)))
+    for name, a, b in zip(("Q̂", "Π", "Z", "Λ"), grads_of(_levels_of(13, 16, True), args, range(4), w),
+                          grads_of(_levels_of(13, 16, False), args, range(4), w)):
         assert_close(a, b, 1e-12, "d" + name)
 
 
@@ -254,20 +266,18 @@ def test_levels_kernel_bf16(rng):
 def test_levels_kernels_lower_for_cuda():
     """The chunk levels' kernels go through Triton's real lowering at the benchmark's head dims
     128 (8 chunks, 3 levels): the up-sweep's 2 combining levels and the reads forward; the
-    gradient's program has the sweep's forward and its 3 levels' backward, and XLA's reads."""
+    gradient's program has those (the reads saving their queries) and, per level, the reads'
+    backward and the sweep's."""
     from hla_jax.kernels import gdn_blocks
-    from hla_jax.ops import loglinear_gdn_blocks
-    from hla_jax.ops.loglinear_blocks import dot16
 
     N, c, d = 8, 64, 128
     qh = jax.ShapeDtypeStruct((1, 2, N * c, d), jnp.bfloat16)
     pi = jax.ShapeDtypeStruct((1, 2, N, d, d), jnp.bfloat16)
     lam = jax.ShapeDtypeStruct((1, 2, N * c, 3), jnp.float32)
-    xla = functools.partial(loglinear_gdn_blocks._read, dot=dot16)
-    loss = lambda q, p, z, l: jnp.sum(gdn_blocks.levels(q, p, z, l, c, xla, interpret=False))
+    loss = lambda q, p, z, l: jnp.sum(gdn_blocks.levels(q, p, z, l, c, interpret=False))
     assert lower_for("cuda", loss, qh, pi, pi, lam).count("__gpu$xla.gpu.triton") == 3
     grad = jax.grad(loss, argnums=(0, 1, 2, 3))
-    assert lower_for("cuda", grad, qh, pi, pi, lam).count("__gpu$xla.gpu.triton") == 5
+    assert lower_for("cuda", grad, qh, pi, pi, lam).count("__gpu$xla.gpu.triton") == 9
 
 
 def test_reset_gate_stays_finite(rng):

@@ -3,9 +3,10 @@ its per-chunk terms (``chunk_terms``) from the first-order kernel's UT transform
 (``kernels/gpu/gdn_ut_mgpu.py``, Mosaic GPU) and one Triton program per chunk for the rest
 (``kernels/gpu/gdn_terms.py``) instead of XLA's batched triangular solve and einsums
 (``loglinear_chunked.chunk_terms``); and the chunk levels (``levels``: the
-up-sweep a Triton program per pair of nodes, ``kernels/gpu/gdn_sweep.py``, and the reads' forward
-one program per chunk carrying its running query up the levels, ``kernels/gpu/gdn_levels.py``)
-instead of XLA's batched products and pass per level over every token.
+up-sweep a Triton program per pair of nodes, ``kernels/gpu/gdn_sweep.py``; the reads one program
+per chunk carrying its running query up the levels, their backward one launch per level carrying
+its cotangent down, ``kernels/gpu/gdn_levels.py``) instead of XLA's batched products and pass per
+level over every token.
 
 Per chunk of ``C = 64`` tokens, with ``ρ = exp(b)`` (``b`` the chunk-local cumulative log-decay,
 floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``), ``K̃ = (ρ_c/ρ)∘K``::
@@ -26,7 +27,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hla_jax.kernels import wrap
 from hla_jax.kernels.gpu import gdn_levels, gdn_sweep, gdn_terms, gdn_terms_mgpu, gdn_ut_mgpu
@@ -90,55 +90,13 @@ def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
     return chunk(M), chunk(Qh), A_c, Z[..., :dv]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _sweep(pi, z, P, interpret):
-    """The up-sweep's left nodes per level, ``[(Π_L, Z_L)]`` (``kernels/gpu/gdn_sweep.py``)."""
-    return _sweep_fwd(pi, z, P, interpret)[0]
-
-
-def _sweep_fwd(pi, z, P, interpret):
-    nodes, left = [], []
-    for i in range(P):
-        nodes.append((pi, z))
-        left.append((pi[:, :, 0::2], z[:, :, 0::2]))
-        if i + 1 < P:
-            pi, z = gdn_sweep.forward(pi, z, interpret=interpret)
-    return left, nodes
-
-
-def _sweep_bwd(P, interpret, nodes, dleft):
-    """Down the levels: each level's nodes' cotangents from its combined nodes' (zero above the
-    top) and its left nodes' own."""
-    pi, z = nodes[-1]
-    dpi = jnp.zeros(pi.shape[:2] + (-(-pi.shape[2] // 2),) + pi.shape[3:], pi.dtype)
-    dz = jnp.zeros(z.shape[:2] + dpi.shape[2:3] + z.shape[3:], z.dtype)
-    for (pi, z), (dpil, dzl) in zip(reversed(nodes), reversed(dleft)):
-        dpi, dz = gdn_sweep.backward(pi, z, dpi, dz, dpil, dzl, interpret=interpret)
-    return dpi, dz
-
-
-_sweep.defvjp(_sweep_fwd, _sweep_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _read(qh, sweep, lam, c, xla, interpret):
-    """The reads by the kernel (``kernels/gpu/gdn_levels.py``); differentiated, by ``xla``."""
-    pis = jnp.concatenate([p for p, _ in sweep], 2)
-    zs = jnp.concatenate([z for _, z in sweep], 2)
-    offsets = tuple(int(o) for o in np.cumsum([0] + [p.shape[2] for p, _ in sweep[:-1]]))
-    return gdn_levels.forward(qh, pis, zs, jnp.moveaxis(lam, -1, 2), offsets=offsets, c=c,
-                              interpret=interpret)
-
-
-def _read_fwd(qh, sweep, lam, c, xla, interpret):
-    return jax.vjp(lambda *a: xla(*a, c), qh, sweep, lam)
-
-
-def _read_bwd(c, xla, interpret, pull, do):
-    return pull(do)
-
-
-_read.defvjp(_read_fwd, _read_bwd)
+    """The up-sweep's nodes of levels ``0..P−1`` (``kernels/gpu/gdn_sweep.py``), level 0 the
+    chunks' ``(pi, z)``."""
+    nodes = [(pi, z)]
+    for _ in range(P - 1):
+        nodes.append(gdn_sweep.forward(*nodes[-1], interpret=interpret))
+    return nodes
 
 
 def _widen(x, *widths):
@@ -147,20 +105,51 @@ def _widen(x, *widths):
     return jnp.pad(x, lead + [(0, w - n) for w, n in zip(widths, x.shape[x.ndim - len(widths):])])
 
 
-def levels(qh, pi, z, lam, c: int, xla, interpret=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _levels(qh, pi, z, lam, c, interpret):
+    """``o [B,H,Tp,dv]`` float32 of the up-sweep and the reads (``levels``, padded inputs)."""
+    nodes = _sweep(pi, z, lam.shape[-1], interpret)
+    return gdn_levels.forward(qh, *zip(*nodes), lam, c=c, interpret=interpret)
+
+
+def _levels_fwd(qh, pi, z, lam, c, interpret):
+    nodes = _sweep(pi, z, lam.shape[-1], interpret)
+    o, r = gdn_levels.forward(qh, *zip(*nodes), lam, c=c, save=True, interpret=interpret)
+    return o, (nodes, r, lam)
+
+
+def _levels_bwd(c, interpret, res, do):
+    """Down the levels: the reads' backward (``δ``, ``∂λ`` and the left nodes' cotangents), then
+    the up-sweep's (each level's nodes' cotangents from its combined nodes' and its left
+    nodes')."""
+    nodes, r, lam = res
+    pi, z = nodes[-1]
+    do = do.astype(r.dtype)
+    delta, dlam = jnp.zeros(do.shape[:3] + r.shape[-1:], r.dtype), jnp.zeros_like(lam)
+    dpi = jnp.zeros(pi.shape[:2] + (-(-pi.shape[2] // 2),) + pi.shape[3:], pi.dtype)
+    dz = jnp.zeros(z.shape[:2] + dpi.shape[2:3] + z.shape[3:], z.dtype)
+    for i in reversed(range(len(nodes))):
+        pi, z = nodes[i]
+        delta, dlam, dpil, dzl = gdn_levels.backward(r, pi, z, lam, do, delta, dlam, i=i, c=c,
+                                                     interpret=interpret)
+        dpi, dz = gdn_sweep.backward(pi, z, dpi, dz, dpil, dzl, interpret=interpret)
+    return delta, dpi, dz, dlam
+
+
+_levels.defvjp(_levels_fwd, _levels_bwd)
+
+
+def levels(qh, pi, z, lam, c: int, interpret=None):
     """The chunk levels of ``ops.loglinear_gdn_blocks``: the up-sweep of the chunks' ``(Π, Z)``
     (one Triton program per pair and level, forward and backward), then the reads
     ``Σ_i λ_i ∘ (r_i Z_i)``, ``r_{i+1} = r_i Π_i`` over the levels ``i`` at which a token's chunk
-    lies in a right half (one Triton program per chunk): ``qh [B,H,Tp,d]`` (``Tp = N c``),
-    ``pi [B,H,N,d,d]``, ``z [B,H,N,d,dv]`` in ``qh``'s dtype, ``lam [B,H,Tp,P]`` float32 (level
-    ``i``'s weight in column ``i``, ``P ≥ 1``) -> ``[B,H,Tp,dv]`` float32; ``d``, ``dv``
-    zero-padded to powers of two ≥ 16.  The reads' gradient is ``xla(qh, sweep, lam, c)``'s,
-    the same reads by XLA's pass per level, whose autodiff beat a backward kernel walking down
-    the levels with the sums over right halves as batched matmuls (the levels' forward+backward
-    11.58 against 12.98 ms at T=8192 on the H200, ``bench_gdn_blocks_parts_gpu_levels_bwd.json``).
-    ``interpret=None``: the Triton interpreter on CPU."""
+    lies in a right half (one Triton program per chunk; backward one launch per level, one
+    program per run of a right half, ``kernels/gpu/gdn_levels.py``): ``qh [B,H,Tp,d]``
+    (``Tp = N c``), ``pi [B,H,N,d,d]``, ``z [B,H,N,d,dv]`` in ``qh``'s dtype, ``lam [B,H,Tp,P]``
+    float32 (level ``i``'s weight in column ``i``, ``P ≥ 1``) -> ``[B,H,Tp,dv]`` float32; ``d``,
+    ``dv`` zero-padded to powers of two ≥ 16.  ``interpret=None``: the Triton interpreter on
+    CPU."""
     interpret = bool(jax.default_backend() == "cpu" if interpret is None else interpret)
     d, dv = qh.shape[-1], z.shape[-1]
     dp, dvp = wrap.pow2_at_least(max(d, 16)), wrap.pow2_at_least(max(dv, 16))
-    sweep = _sweep(_widen(pi, dp, dp), _widen(z, dp, dvp), lam.shape[-1], interpret)
-    return _read(_widen(qh, dp), sweep, lam, c, xla, interpret)[..., :dv]
+    return _levels(_widen(qh, dp), _widen(pi, dp, dp), _widen(z, dp, dvp), lam, c, interpret)[..., :dv]

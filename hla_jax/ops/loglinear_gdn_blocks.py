@@ -88,8 +88,8 @@ def _levels(Qh, Pi, Z, Lam, lc: int, N: int, kernel: bool = False):
     """The chunk levels (module docstring): ``Qh [B,H,Tp,d]`` per token, ``Pi [B,H,N,d,d]`` and
     ``Z [B,H,N,d,dv]`` per chunk, all in one dtype, ``Lam [B,H,Tp,L]`` -> ``[B,H,Tp,dv]``; 16-bit
     terms: ``dot16`` products, ``r``, ``Π``, ``Z`` rounded back to 16 bits, the output float32.
-    ``kernel``: the up-sweep and the reads by ``kernels.gdn_blocks.levels`` (Triton; the reads'
-    gradient is XLA's ``_read``'s)."""
+    ``kernel``: the up-sweep and the reads by ``kernels.gdn_blocks.levels`` (Triton, forward and
+    backward)."""
     dot = dot16 if jnp.dtype(Qh.dtype).itemsize < 4 else common.ein
     P = fenwick.num_levels(N) - 1
     if P == 0:
@@ -97,7 +97,7 @@ def _levels(Qh, Pi, Z, Lam, lc: int, N: int, kernel: bool = False):
     lam, c = Lam[..., lc + 1:lc + 1 + P], Qh.shape[2] // N
     if kernel:
         from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
-        return gdn_blocks.levels(Qh, Pi, Z, lam, c, functools.partial(_read, dot=dot))
+        return gdn_blocks.levels(Qh, Pi, Z, lam, c)
     return _read(Qh, _sweep(Pi, Z, P, dot), lam, c, dot)
 
 
