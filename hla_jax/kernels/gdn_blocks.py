@@ -4,9 +4,9 @@ its per-chunk terms (``chunk_terms``) from the first-order kernel's UT transform
 (``kernels/gpu/gdn_terms.py``) instead of XLA's batched triangular solve and einsums
 (``loglinear_chunked.chunk_terms``); and the chunk levels (``levels``: the
 up-sweep a Triton program per pair of nodes, ``kernels/gpu/gdn_sweep.py``; the reads one program
-per chunk carrying its running query up the levels, their backward one launch per level carrying
-its cotangent down, ``kernels/gpu/gdn_levels.py``) instead of XLA's batched products and pass per
-level over every token.
+per chunk carrying its running query up the levels, their backward and the up-sweep's one
+launch per level carrying its cotangent down, ``kernels/gpu/gdn_levels.py``) instead of XLA's
+batched products and pass per level over every token.
 
 Per chunk of ``C = 64`` tokens, with ``ρ = exp(b)`` (``b`` the chunk-local cumulative log-decay,
 floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``), ``K̃ = (ρ_c/ρ)∘K``::
@@ -119,9 +119,8 @@ def _levels_fwd(qh, pi, z, lam, c, interpret):
 
 
 def _levels_bwd(c, interpret, res, do):
-    """Down the levels: the reads' backward (``δ``, ``∂λ`` and the left nodes' cotangents), then
-    the up-sweep's (each level's nodes' cotangents from its combined nodes' and its left
-    nodes')."""
+    """Down the levels, each the reads' backward (``δ``, ``∂λ``, the left nodes' own cotangents)
+    and the up-sweep's (each node's from its combined node's and its own), ``gdn_levels``."""
     nodes, r, lam = res
     pi, z = nodes[-1]
     do = do.astype(r.dtype)
@@ -129,10 +128,8 @@ def _levels_bwd(c, interpret, res, do):
     dpi = jnp.zeros(pi.shape[:2] + (-(-pi.shape[2] // 2),) + pi.shape[3:], pi.dtype)
     dz = jnp.zeros(z.shape[:2] + dpi.shape[2:3] + z.shape[3:], z.dtype)
     for i in reversed(range(len(nodes))):
-        pi, z = nodes[i]
-        delta, dlam, dpil, dzl = gdn_levels.backward(r, pi, z, lam, do, delta, dlam, i=i, c=c,
-                                                     interpret=interpret)
-        dpi, dz = gdn_sweep.backward(pi, z, dpi, dz, dpil, dzl, interpret=interpret)
+        delta, dlam, dpi, dz = gdn_levels.backward(r, *nodes[i], lam, do, delta, dlam, dpi, dz, i=i,
+                                                   c=c, interpret=interpret)
     return delta, dpi, dz, dlam
 
 

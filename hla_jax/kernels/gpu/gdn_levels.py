@@ -22,8 +22,11 @@ Backward, one launch per level from the top, one program per (batch, head, pair,
     X = ∂o Z_iᵀ,   ∂λ_i = rowsum(r ∘ X),   ∂Z_i ⊇ (λ_i ∘ r)ᵀ ∂o,   ∂Π_i ⊇ rᵀ δ,
     then  δ ← δ Π_iᵀ + λ_i ∘ X
 
-(``∂o`` in ``Q̂``'s dtype; the node sums over the run on chip, the runs of a pair then by XLA);
-``∂Q̂`` is ``δ`` after level 0.  Left-half tokens pass ``δ`` through untouched.
+(``∂o`` in ``Q̂``'s dtype; the node sums over the run on chip).  With one run a pair
+(``2^i ≤ RUN``) the program then takes the pair's up-sweep backward too
+(``gdn_sweep.pair_backward``), so the node sums never leave the chip; with more, the runs of a
+pair are summed by XLA and ``gdn_sweep.backward`` follows.  ``∂Q̂`` is ``δ`` after level 0.
+Left-half tokens pass ``δ`` through untouched.
 
 Layouts, heads first: ``Q̂ [B,H,Tp,d]``, ``λ [B,H,Tp,P]`` float32 (level ``i``'s weights in
 column ``i``), ``o [B,H,Tp,dv]`` float32, the saved queries ``[B,H,P,⌊N/2⌋c,d]``; ``d``, ``dv`` and
@@ -40,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from hla_jax.kernels.gpu import gdn_sweep
 from hla_jax.kernels.gpu.walk import compiler_params
 from hla_jax.kernels.la_chunk import F32, dot
 
@@ -86,27 +90,35 @@ def forward(qh, pis, zs, lam, *, c, save=False, interpret=False):
     return tuple(out) if save else out[0]
 
 
-def backward(r, pi, z, lam, do, delta, dlam, *, i, c, interpret=False):
-    """Level ``i``'s backward (module docstring): from the saved queries ``r [B,H,P,⌊N/2⌋c,d]``,
-    the level's nodes ``pi [B,H,n_i,d,d]``, ``z [B,H,n_i,d,dv]``, ``λ [B,H,Tp,P]``,
-    ``do [B,H,Tp,dv]`` in ``r``'s dtype, ``δ [B,H,Tp,d]`` after level ``i`` and ``∂λ [B,H,Tp,P]``
-    -> ``(δ, ∂λ)`` with level ``i`` done and the left nodes' ``(∂Π [B,H,⌈n_i/2⌉,d,d],
-    ∂Z [B,H,⌈n_i/2⌉,d,dv])`` in ``pi``'s dtype (zero for a last node without a right half);
-    runs of ``min(2^i, RUN)`` chunks."""
-    return _backward(r, pi, z, lam, do, delta, dlam, i=i, c=c, run=min(1 << i, RUN),
-                     interpret=interpret)
+def backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, *, i, c, interpret=False):
+    """Level ``i``'s backward (module docstring) and its up-sweep's (``gdn_sweep``): from the
+    saved queries ``r [B,H,P,⌊N/2⌋c,d]``, the level's nodes ``pi [B,H,n_i,d,d]``,
+    ``z [B,H,n_i,d,dv]``, ``λ [B,H,Tp,P]``, ``do [B,H,Tp,dv]`` in ``r``'s dtype, ``δ [B,H,Tp,d]``
+    after level ``i``, ``∂λ [B,H,Tp,P]`` and the combined nodes' cotangents ``dpi2, dz2``
+    (``[B,H,⌈n_i/2⌉,…]``) -> ``(δ, ∂λ)`` with level ``i`` done and the level's nodes'
+    ``(∂Π, ∂Z)`` in ``pi``'s dtype.  Runs of ``min(2^i, RUN)`` chunks: with one run a pair, its
+    program ends with the pair's up-sweep backward (``gdn_sweep.pair_backward``); with more, the
+    runs' sums go through XLA's sum to ``gdn_sweep.backward``."""
+    run = min(1 << i, RUN)
+    out = _backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, i=i, c=c, run=run,
+                    interpret=interpret)
+    if run == 1 << i:
+        return out
+    delta, dlam, dpil, dzl = out
+    return (delta, dlam) + gdn_sweep.backward(pi, z, dpi2, dz2, dpil, dzl, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("i", "c", "run", "interpret"))
-def _backward(r, pi, z, lam, do, delta, dlam, *, i, c, run, interpret):
+def _backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, *, i, c, run, interpret):
+    """``backward``'s kernel: ``(δ, ∂λ, ∂Π, ∂Z)``, the last two the level's nodes' (one run a
+    pair) or each run's own sums ``[B,H,⌈n_i/2⌉·runs,…]`` float32, the runs of a pair summed."""
     B, H, Tp, d = delta.shape
     N, dv, half, pairs = Tp // c, z.shape[-1], 1 << i, -(-pi.shape[2] // 2)
     runs = half // run
     acc = jnp.result_type(F32, r.dtype)
-    sums_dt = pi.dtype if runs == 1 else acc              # runs > 1: summed by XLA below
 
-    def kernel(r_ref, pi_ref, z_ref, lam_ref, do_ref, delta_in, dlam_in, delta_ref, dlam_ref,
-               dpi_ref, dz_ref):
+    def kernel(r_ref, pi_ref, z_ref, lam_ref, do_ref, delta_in, dlam_in, dpi2_ref, dz2_ref,
+               delta_ref, dlam_ref, dpi_ref, dz_ref):
         del delta_in, dlam_in                                 # aliased to delta_ref, dlam_ref
         b, h, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         m, first = p // runs, (p % runs) * run
@@ -125,17 +137,23 @@ def _backward(r, pi, z, lam, do, delta, dlam, *, i, c, run, interpret):
 
         count = jnp.clip(N - (2 * m + 1) * half - first, 0, run)    # the run's chunks before N
         dpi, dz = lax.fori_loop(0, count, chunk, (jnp.zeros((d, d), acc), jnp.zeros((d, dv), acc)))
-        dpi_ref[b, h, p, :, :] = dpi.astype(sums_dt)
-        dz_ref[b, h, p, :, :] = dz.astype(sums_dt)
+        if runs == 1:
+            gdn_sweep.pair_backward(pi_ref, z_ref, dpi2_ref, dz2_ref, dpi_ref, dz_ref, dpi, dz)
+        else:
+            dpi_ref[b, h, p, :, :] = dpi
+            dz_ref[b, h, p, :, :] = dz
 
+    sums = [(pi.shape[:2] + (pairs * runs,) + pi.shape[3:], acc),
+            (z.shape[:2] + (pairs * runs,) + z.shape[3:], acc)]
+    nodes = [(pi.shape, pi.dtype), (z.shape, z.dtype)]
     out_shape = [jax.ShapeDtypeStruct(delta.shape, delta.dtype),
-                 jax.ShapeDtypeStruct(dlam.shape, dlam.dtype),
-                 jax.ShapeDtypeStruct((B, H, pairs * runs, d, d), sums_dt),
-                 jax.ShapeDtypeStruct((B, H, pairs * runs, d, dv), sums_dt)]
+                 jax.ShapeDtypeStruct(dlam.shape, dlam.dtype)] + [
+        jax.ShapeDtypeStruct(*x) for x in (nodes if runs == 1 else sums)]
     params = None if interpret else plgpu.CompilerParams(num_warps=8, num_stages=2)  # loads ahead
     delta, dlam, dpi, dz = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(B, H, pairs * runs), compiler_params=params,
-        interpret=interpret, input_output_aliases={5: 0, 6: 1})(r, pi, z, lam, do, delta, dlam)
+        interpret=interpret, input_output_aliases={5: 0, 6: 1})(
+            r, pi, z, lam, do, delta, dlam, dpi2, dz2)
     if runs > 1:
         dpi, dz = (x.reshape(B, H, pairs, runs, *x.shape[3:]).sum(3).astype(pi.dtype)
                    for x in (dpi, dz))

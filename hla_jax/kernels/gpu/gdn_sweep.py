@@ -62,28 +62,36 @@ def forward(pi, z, *, interpret=False):
     return _call(kernel, out_shape, pairs, interpret, pi, z)
 
 
+def pair_backward(pi_ref, z_ref, dpi2_ref, dz2_ref, dpi_ref, dz_ref, own_pi, own_z):
+    """In the program of pair ``m`` (``_pair``) of a level of ``n`` nodes: the pair's nodes'
+    cotangents into ``dpi_ref``, ``dz_ref`` (module docstring) from the combined node's
+    ``dpi2_ref[m]``, ``dz2_ref[m]`` and the left node's own ``own_pi``, ``own_z`` (float32)."""
+    b, h, acc = pl.program_id(0), pl.program_id(1), own_pi.dtype
+    m, L, R, right = _pair(pi_ref.shape[2])
+    dPi, dZ = dpi2_ref[b, h, m, :, :], dz2_ref[b, h, m, :, :]
+    PiR = pi_ref[b, h, R, :, :]
+    dPiL = jnp.where(right, dot(PiR, dPi, ta=True), dPi.astype(acc)) + own_pi
+    dZL = jnp.where(right, dot(PiR, dZ, ta=True), dZ.astype(acc)) + own_z
+    dpi_ref[b, h, L, :, :] = dPiL.astype(dpi_ref.dtype)
+    dz_ref[b, h, L, :, :] = dZL.astype(dz_ref.dtype)
+
+    @pl.when(right)
+    def _():
+        dPiR = dot(dPi, pi_ref[b, h, L, :, :], tb=True) + dot(dZ, z_ref[b, h, L, :, :], tb=True)
+        dpi_ref[b, h, R, :, :] = dPiR.astype(dpi_ref.dtype)
+        dz_ref[b, h, R, :, :] = dZ
+
+
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def backward(pi, z, dpi2, dz2, dpil, dzl, *, interpret=False):
     """``(∂Π [B,H,n,d,d], ∂Z [B,H,n,d,dv])`` of the level's nodes ``pi, z`` from the combined
     nodes' cotangents ``dpi2, dz2`` and the left nodes' own ``dpil, dzl`` (``[B,H,⌈n/2⌉,…]``)."""
-    n, acc = pi.shape[2], jnp.result_type(F32, pi.dtype)
+    acc = jnp.result_type(F32, pi.dtype)
 
     def kernel(pi_ref, z_ref, dpi2_ref, dz2_ref, dpil_ref, dzl_ref, dpi_ref, dz_ref):
-        b, h = pl.program_id(0), pl.program_id(1)
-        m, L, R, right = _pair(n)
-        dPi, dZ = dpi2_ref[b, h, m, :, :], dz2_ref[b, h, m, :, :]
-        PiR = pi_ref[b, h, R, :, :]
-        own_pi, own_z = dpil_ref[b, h, m, :, :].astype(acc), dzl_ref[b, h, m, :, :].astype(acc)
-        dPiL = jnp.where(right, dot(PiR, dPi, ta=True), dPi.astype(acc)) + own_pi
-        dZL = jnp.where(right, dot(PiR, dZ, ta=True), dZ.astype(acc)) + own_z
-        dpi_ref[b, h, L, :, :] = dPiL.astype(dpi_ref.dtype)
-        dz_ref[b, h, L, :, :] = dZL.astype(dz_ref.dtype)
-
-        @pl.when(right)
-        def _():
-            dPiR = dot(dPi, pi_ref[b, h, L, :, :], tb=True) + dot(dZ, z_ref[b, h, L, :, :], tb=True)
-            dpi_ref[b, h, R, :, :] = dPiR.astype(dpi_ref.dtype)
-            dz_ref[b, h, R, :, :] = dZ
+        b, h, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        pair_backward(pi_ref, z_ref, dpi2_ref, dz2_ref, dpi_ref, dz_ref,
+                      dpil_ref[b, h, m, :, :].astype(acc), dzl_ref[b, h, m, :, :].astype(acc))
 
     out_shape = [jax.ShapeDtypeStruct(pi.shape, pi.dtype), jax.ShapeDtypeStruct(z.shape, z.dtype)]
-    return _call(kernel, out_shape, -(-n // 2), interpret, pi, z, dpi2, dz2, dpil, dzl)
+    return _call(kernel, out_shape, -(-pi.shape[2] // 2), interpret, pi, z, dpi2, dz2, dpil, dzl)
