@@ -111,7 +111,8 @@ def backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, *, i, c, interpret=False
 @functools.partial(jax.jit, static_argnames=("i", "c", "run", "interpret"))
 def _backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, *, i, c, run, interpret):
     """``backward``'s kernel: ``(δ, ∂λ, ∂Π, ∂Z)``, the last two the level's nodes' (one run a
-    pair) or each run's own sums ``[B,H,⌈n_i/2⌉·runs,…]`` float32, the runs of a pair summed."""
+    pair) or else the left nodes' own, ``[B,H,⌈n_i/2⌉,…]`` (each run's float32 sums added by
+    XLA)."""
     B, H, Tp, d = delta.shape
     N, dv, half, pairs = Tp // c, z.shape[-1], 1 << i, -(-pi.shape[2] // 2)
     runs = half // run
