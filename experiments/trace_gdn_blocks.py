@@ -1,14 +1,17 @@
-"""Where one forward+backward of log-linear Gated DeltaNet's block form spends its time, kernel by
-kernel, from a profiler trace (no hardware counters: the GPU's kernel events as the profiler
-records them), each XLA fusion named by the JAX operation it came from.
+"""Where one forward+backward of log-linear Gated DeltaNet's block form (or of another benchmark
+method, forward+backward or forward only) spends its time, kernel by kernel, from a profiler trace
+(no hardware counters: the GPU's kernel events as the profiler records them), each XLA fusion
+named by the JAX operation it came from.
 
-    python experiments/trace_gdn_blocks.py [--T 8192] [--tokens 65536] [--shape 16,128,128]
+    python experiments/trace_gdn_blocks.py [--method loglinear_gdn_blocks_ut] [--forward]
+                                           [--T 8192] [--tokens 65536] [--shape 16,128,128]
                                            [--calls 3] [--name …] [--out DIR]
     python experiments/trace_gdn_blocks.py --summary TRACE.json.gz --hlo HLO.txt [--calls 3]
 
-The gradient is ``bench_kernels.fwd_bwd`` of ``ops.loglinear_gdn_blocks.blocks(terms="kernel")``
-on ``bench_kernels.inputs`` (bf16, H, d, dv of ``--shape``, B·T = ``--tokens``), compiled and run
-once, then ``--calls`` times under ``jax.profiler.trace``.  Writes ``<out>/<name>.md`` (one row
+The gradient is ``bench_kernels.fwd_bwd`` of ``--method`` (one of ``bench_kernels.methods()``;
+the default ``ops.loglinear_gdn_blocks.blocks(terms="kernel")``; with ``--forward`` the method
+itself) on ``bench_kernels.inputs`` (bf16, H, d, dv of ``--shape``, B·T = ``--tokens``), compiled
+and run once, then ``--calls`` times under ``jax.profiler.trace``.  Writes ``<out>/<name>.md`` (one row
 per kernel in launch order: µs per call averaged over the calls, the running total, the grid,
 the HLO operation's shape and JAX name) and ``<out>/<name>.json``; ``--summary`` prints that
 table for a saved Perfetto trace and the compiled module's text.  Needs a GPU.
@@ -17,7 +20,6 @@ table for a saved Perfetto trace and the compiled module's text.  Needs a GPU.
 from __future__ import annotations
 
 import argparse
-import functools
 import glob
 import gzip
 import json
@@ -88,15 +90,19 @@ def _trace(path: str) -> list:
 def run(a) -> list[dict]:
     import jax
 
-    from experiments.bench_kernels import fwd_bwd, inputs, micro_size
-    from hla_jax.ops import common, loglinear_gdn_blocks
+    from experiments.bench_kernels import fwd_bwd, inputs, methods, micro_size
+    from hla_jax.ops import common
 
     if jax.default_backend() != "gpu":
         raise SystemExit("trace_gdn_blocks: needs a GPU (the trace's kernel events)")
     B, T, shape = micro_size(a)
     args = inputs(B, T, shape)
+    fn = methods()[a.method]()
+    if a.forward:
+        f, args = jax.jit(fn), args[:6]
+    else:
+        f = fwd_bwd(fn)
     with common.matmul_precision(*args[:3]):
-        f = fwd_bwd(functools.partial(loglinear_gdn_blocks.blocks, chunk_size=64, terms="kernel"))
         f = f.lower(*args).compile()
         hlo = f.as_text()
         jax.block_until_ready(f(*args))
@@ -108,21 +114,25 @@ def run(a) -> list[dict]:
     rows = kernels(events, hlo, a.calls)
     os.makedirs(a.out, exist_ok=True)
     head = (f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bf16, B={B}, T={T}, "
-            f"H, d, dv = {tuple(shape)}: one forward+backward of the block form, "
-            f"mean of {a.calls} calls\n\n")
+            f"H, d, dv = {tuple(shape)}: one {'forward' if a.forward else 'forward+backward'} of "
+            f"{a.method}, mean of {a.calls} calls\n\n")
     with open(os.path.join(a.out, f"{a.name}.md"), "w") as f:
         f.write(head + table(rows))
     with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "B": B, "T": T, "shape": list(shape),
-                   "calls": a.calls, "kernels": rows}, f, indent=1)
+        json.dump({"device": jax.devices()[0].device_kind, "method": a.method,
+                   "pass": "fwd" if a.forward else "fwd_bwd", "B": B, "T": T,
+                   "shape": list(shape), "calls": a.calls, "kernels": rows}, f, indent=1)
     return rows
 
 
 def main(argv=None):
-    from experiments.bench_kernels import micro_args
+    from experiments.bench_kernels import methods, micro_args
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     micro_args(p, "trace_gdn_blocks_gpu")
+    p.add_argument("--method", default="loglinear_gdn_blocks_ut", choices=sorted(methods()),
+                   help="a method of bench_kernels.py")
+    p.add_argument("--forward", action="store_true", help="trace the forward only")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--summary", metavar="TRACE", help="print the table of this saved trace")
     p.add_argument("--hlo", help="with --summary: the compiled module's text")
