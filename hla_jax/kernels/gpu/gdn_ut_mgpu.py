@@ -48,6 +48,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from hla_jax.kernels.gpu import block_solve
+from hla_jax.kernels.gpu.block_solve import BLOCK
 from hla_jax.kernels.gpu.la_mgpu import (
     COLS,
     F32,
@@ -92,16 +94,19 @@ def forward(k, v, b2, beta, *, keep=True, interpret=None):
     _, _sum = products(interpret)
     cc = smem_tile((C, C), dt)
     scratch = dict(
-        k_s=smem_tile((C, d), dt), v_s=smem_tile((C, bv), dt), xh_s=cc, xl_s=cc,  # K, V: then W, U
-        y_x=plgpu.RefUnion((cc, cc), plgpu.SMEM((C, C), F32)),      # Y's halves, then X out
+        k_s=smem_tile((C, d), dt), v_s=smem_tile((C, bv), dt),     # K, V: then W, U
+        x_hl=plgpu.RefUnion((cc, cc), block_solve.scratch()),     # the solve's X, then X's halves
+        y_x=plgpu.RefUnion((cc, cc), plgpu.SMEM((C, C), F32),     # Y's halves, X out; the
+                           block_solve.scratch()),                # solve's A before them
         vecs=plgpu.SMEM((4, C), F32),     # b2, b2, β, β (read as rows, as columns)
         bar=plgpu.Barrier(num_arrivals=5), vbar=plgpu.Barrier(num_arrivals=1))
 
-    def body(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *x_ref, k_s, v_s, xh_s, xl_s, y_x,
-             vecs, bar, vbar):
+    def body(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *x_ref, k_s, v_s, x_hl, y_x, vecs, bar,
+             vbar):
         bi, hi, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
-        (yh_s, yl_s), x_s = y_x
+        (xh_s, xl_s), xs_s = x_hl
+        (yh_s, yl_s), x_s, as_s = y_x
 
         def values(ref, t):
             return ref.at[bi, rows, hi, pl.ds(t * bv, bv)]
@@ -117,8 +122,8 @@ def forward(k, v, b2, beta, *, keep=True, interpret=None):
              * causal_decay(b_row, b_col, (C, C), strict=True))
         r = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
         c = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
-        X = jnp.where(r == c, 1.0, 0.0) - jnp.where(coupling(r, c, 1), A, 0.0)
-        s = 2
+        X = block_solve.inverse(jnp.where((r ^ c) < BLOCK, A, 0.0), as_s, xs_s, bool(interpret))
+        s = BLOCK
         while s < C:                                   # X ← X − X (A_s X), every product split
             put(X, xh_s, xl_s)
             Ah, Al = _halves(jnp.where(coupling(r, c, s), A, 0.0), dt)
