@@ -307,8 +307,9 @@ def test_mosaic_products_match_the_chunk_math(rng, d, dv):
 
 @pytest.mark.parametrize("d,dv,aligned", [(128, 128, False), (64, 192, True)])  # 1 / 3 value tiles
 def test_mosaic_ut_forward_solves_the_chunk(rng, d, dv, aligned):
-    """``gdn_ut_mgpu.forward`` (GPU interpreter; the inverse by doubling, every product on
-    16-bit halves) against float64 linear algebra on each chunk: ``X = (I + A)⁻¹`` to 1e-4 of
+    """``gdn_ut_mgpu.forward`` (GPU interpreter: the ``16×16`` diagonal blocks' inverse by a
+    triangular solve where the GPU substitutes, then the doublings over their nonzero ranges,
+    every product on 16-bit halves) against float64 linear algebra on each chunk: ``X = (I + A)⁻¹`` to 1e-4 of
     its largest entry, ``W, U`` (16 bits) to 1e-2, also with keys near one direction, β near 1
     and slow decay (the inverse's ill-conditioned case); without ``keep`` the same ``W, U`` and
     no ``X``."""

@@ -3,14 +3,17 @@ head, chunk), every product on the tensor cores (``wgmma``, 16-bit operands, flo
 accumulation).
 
 The forward (``gdn_chunk``'s math, ``ρ = 2^{b2}``): ``A = strict_tril(diag(β)(K Kᵀ) ∘ Γ)``, its
-inverse ``X = (I + A)⁻¹`` by doubling the diagonal blocks (``X ← I − A_1``, then for ``s = 2, 4,
-…, 32``: ``X ← X − X (A_s X)``, ``A_s`` the entries coupling each pair of ``s×s`` blocks, as
-``loglinear_gdn_chunk.unit_lower_inverse``), ``W = X diag(β∘ρ) K`` and ``U = X diag(β) V``.
+inverse ``X = (I + A)⁻¹`` from the inverses of its ``16×16`` diagonal blocks (forward
+substitution in float32, ``block_solve.py``) by doubling them (for ``s = 16, 32``:
+``X ← X − X (A_s X)``, ``A_s`` the entries coupling each pair of ``s×s`` blocks, as
+``loglinear_gdn_chunk.unit_lower_inverse``; each product over only the ``s``-wide column ranges
+of ``A_s`` and row ranges of ``A_s X`` that are not zero, so a quarter of a ``64×64×64`` one at
+``s = 16``, half at ``s = 32``), ``W = X diag(β∘ρ) K`` and ``U = X diag(β) V``.
 Every float32 factor enters a product as two 16-bit halves (``_halves``; three products for a
 float32 pair, the ``lo·lo`` one dropped), so ``X`` comes out within about 2⁻¹⁶ of its float32
 value and ``ρ∘K`` is never rounded to 16 bits.  ``X`` is kept for the backward.  ``K`` then
-``W``, ``V`` then ``U``, ``Y = A_s X``'s halves then ``X`` share shared memory: 65 KiB a CTA at
-``d = dv = 128``.
+``W``, ``V`` then ``U``, the solve's ``X`` then ``X``'s halves, the solve's ``A`` then ``Y =
+A_s X``'s halves then ``X`` share shared memory: 69 KiB a CTA at ``d = dv = 128``.
 
 The backward (the math of ``gdn_chunk.ut_backward``, ``T = X diag(β)``), with ``(X diag β)ᵀ Y =
 β∘(Xᵀ Y)`` so that only ``X`` enters a product, and ``dW (ρ∘K)ᵀ = (dW Kᵀ) diag(ρ)``::
@@ -64,13 +67,20 @@ from hla_jax.kernels.gpu.la_mgpu import (
     smem_tile,
     value_tiles,
 )
-from hla_jax.kernels.loglinear_gdn_chunk import coupling
 
 
 def _halves(y, dt):
     """``y = hi + lo`` float32 as two ``dt`` (16-bit) arrays."""
     hi = y.astype(dt)
     return hi, (y - hi.astype(F32)).astype(dt)
+
+
+def _split(a, bh_s, bl_s, j):
+    """The products of ``(a_hi + a_lo)(b_hi + b_lo)`` less ``a_lo b_lo`` (``_halves``), ``b`` the
+    rows ``j … j + s`` of the 16-bit tiles ``bh_s, bl_s`` (``a [C, s]`` float32)."""
+    ah, al = _halves(a, bh_s.dtype)
+    rows = pl.ds(j, a.shape[1])
+    return [(ah, bh_s.at[rows]), (ah, bl_s.at[rows]), (al, bh_s.at[rows])]
 
 
 def put(y, h_s, l_s=None):
@@ -92,7 +102,8 @@ def forward(k, v, b2, beta, *, keep=True, interpret=None):
     dv, dt, N = v.shape[-1], k.dtype, Tp // C
     bv, nv = value_tiles(dv)
     _, _sum = products(interpret)
-    cc = smem_tile((C, C), dt)
+    cc = plgpu.SMEM((C, C), dt, transforms=(   # 32-byte swizzle: products over 16-row slices
+        plgpu.TilingTransform((8, 32 // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(32)))
     scratch = dict(
         k_s=smem_tile((C, d), dt), v_s=smem_tile((C, bv), dt),     # K, V: then W, U
         x_hl=plgpu.RefUnion((cc, cc), block_solve.scratch()),     # the solve's X, then X's halves
@@ -123,13 +134,16 @@ def forward(k, v, b2, beta, *, keep=True, interpret=None):
         r = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
         c = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
         X = block_solve.inverse(jnp.where((r ^ c) < BLOCK, A, 0.0), as_s, xs_s, bool(interpret))
+        row = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=ROWS)
         s = BLOCK
-        while s < C:                                   # X ← X − X (A_s X), every product split
+        while s < C:       # X ← X − X (A_s X): A_s's columns j … j+s couple rows j+s … j+2s
             put(X, xh_s, xl_s)
-            Ah, Al = _halves(jnp.where(coupling(r, c, s), A, 0.0), dt)
-            put(_sum([(Ah, xh_s), (Ah, xl_s), (Al, xh_s)], (C, C)), yh_s, yl_s)
-            Xh, Xl = _halves(X, dt)
-            X = X - _sum([(Xh, yh_s), (Xh, yl_s), (Xl, yh_s)], (C, C))
+            a_s = [bcast_rows(jnp.where((row >= j + s) & (row < j + 2 * s), 1.0, 0.0), (C, s))
+                   * A[:, j:j + s] for j in range(0, C, 2 * s)]
+            put(_sum([p for j, a in zip(range(0, C, 2 * s), a_s) for p in _split(a, xh_s, xl_s, j)],
+                     (C, C)), yh_s, yl_s)
+            X = X - _sum([p for j in range(s, C, 2 * s) for p in _split(X[:, j:j + s], yh_s, yl_s, j)],
+                         (C, C))
             s *= 2
         Th, Tl = _halves(X * bcast_cols(beta_col * jnp.exp2(b_col), (C, C)), dt)
         W = _sum([(Th, k_s), (Tl, k_s)], (C, d))                   # W = X diag(β∘ρ) K
