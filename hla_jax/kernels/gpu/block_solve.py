@@ -10,9 +10,9 @@ Thread ``j`` (of 64) solves column ``j`` of its block (rows ``f … f+15``, ``f 
 (``x_m = 0`` for ``m < l`` falls out of the recurrence), 120 fused multiply-adds on values kept
 in registers, the rows of ``A`` read from shared memory as 16-byte vectors that the 16 threads of
 a block share.  ``A`` goes to shared memory and ``X`` comes back through it, rows padded by
-``PAD`` floats so that neither the register tiles' stores and loads nor the solve's accesses
-meet bank conflicts.  The two CTAs an SM holds solve on different warp pairs (by the parity of
-the CTA index), so both halves of the SM's schedulers take part.
+``PAD`` floats: with 256-byte rows the register tiles' stores and loads (a warp touches eight rows
+at once) would meet 8-way bank conflicts.  The two CTAs an SM holds solve on different warp pairs
+(by the parity of the CTA index), so both halves of the SM's schedulers take part.
 
 The GPU interpreter runs no inline Mosaic GPU code; there the same inverse is
 ``lax.linalg.triangular_solve`` (the doubling steps that follow are shared).
@@ -29,8 +29,9 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, vector
 from jaxlib.mlir.dialects import math as mmath
 
-C, BLOCK, PAD = 64, 16, 4
-F32 = jnp.float32
+from hla_jax.kernels.gpu.la_mgpu import F32, C
+
+BLOCK, PAD = 16, 4
 
 
 def scratch():

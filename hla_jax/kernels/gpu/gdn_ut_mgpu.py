@@ -138,10 +138,11 @@ def forward(k, v, b2, beta, *, keep=True, interpret=None):
         s = BLOCK
         while s < C:       # X ← X − X (A_s X): A_s's columns j … j+s couple rows j+s … j+2s
             put(X, xh_s, xl_s)
+            starts = range(0, C, 2 * s)
             a_s = [bcast_rows(jnp.where((row >= j + s) & (row < j + 2 * s), 1.0, 0.0), (C, s))
-                   * A[:, j:j + s] for j in range(0, C, 2 * s)]
-            put(_sum([p for j, a in zip(range(0, C, 2 * s), a_s) for p in _split(a, xh_s, xl_s, j)],
-                     (C, C)), yh_s, yl_s)
+                   * A[:, j:j + s] for j in starts]
+            put(_sum([p for j, a in zip(starts, a_s) for p in _split(a, xh_s, xl_s, j)], (C, C)),
+                yh_s, yl_s)
             X = X - _sum([p for j in range(s, C, 2 * s) for p in _split(X[:, j:j + s], yh_s, yl_s, j)],
                          (C, C))
             s *= 2
