@@ -1,19 +1,19 @@
 """Where log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``) spends its time:
-the per-chunk terms (``chunk_parts``: the UT transform and ``M``, ``Q̂``, ``A_c``, ``Z``), the
-window inside each chunk (``loglinear_chunked.window``), the chunk levels (the up-sweep and the
-running queries' reads, ``_levels``: with ``terms="kernel"`` the reads by the Triton kernel,
-``kernels.gdn_blocks.levels``, and beside them, as ``levels_xla``, XLA's pass per level) and the
-whole ``blocks``, each forward and forward+backward (the gradient of every float input for unit
-cotangents), median ms.
+the per-chunk terms (``chunk_parts``: the UT transform and ``M``, ``Q̂``, ``A_c``, ``Z``), then
+with XLA's terms the window inside each chunk (``loglinear_chunked.window``) and the chunk
+levels (the up-sweep and the running queries' reads, ``_levels``), with ``terms="kernel"`` the
+output (``output``: both on Triton, ``kernels.gdn_blocks.output``), and the whole ``blocks``,
+each forward and forward+backward (the gradient of every float input for unit cotangents),
+median ms.
 
     python experiments/bench_gdn_blocks_parts.py [--T 8192] [--tokens 65536] [--shape 16,128,128]
                                                  [--terms kernel,xla] [--name …] [--out DIR]
 
 Same inputs as ``bench_kernels.py`` (bf16, ``--shape`` H,d,dv, B·T = ``--tokens``). Writes
 ``<out>/<name>.json``: one row per ``--terms``, each part's ``(fwd, fwd_bwd)`` and ``rest`` = the
-whole minus the three parts (the padding, the layout moves and what the parts' boundaries keep
-XLA from fusing). ``terms="kernel"`` runs the Triton UT kernel: compiled on a GPU, in the
-interpreter on CPU (slow; a small ``--tokens`` there).
+whole minus the parts (the padding, the layout moves and what the parts' boundaries keep XLA
+from fusing). ``terms="kernel"`` runs the Mosaic GPU and Triton kernels: compiled on a GPU, in
+the interpreters on CPU (slow; a small ``--tokens`` there).
 """
 
 from __future__ import annotations
@@ -50,24 +50,21 @@ def parts(args, terms: str, repeats: int) -> dict:
     split = functools.partial(loglinear_gdn_blocks.chunk_parts, chunk_size=64, terms=terms)
     M, Qh, A_c, Z, V, Lam = jax.jit(split)(*args)
     B, H, N, c, d = Qh.shape
-    lev = fenwick.level_table(c)
-
-    def levels(kernel):
-        return timed(lambda Qh, A, Z, L: loglinear_gdn_blocks._levels(
-            Qh.reshape(B, H, N * c, d), A, Z, L, fenwick.chunk_log2(c), N, kernel=kernel),
-            Qh, A_c, Z, Lam, repeats=repeats)
-
-    row = {"terms": terms,
-           "chunk_parts": timed(split, *args, repeats=repeats),
-           "window": timed(lambda L, M, V: loglinear_chunked.window(L.reshape(B, H, N, c, -1),
-                                                                    M, V, lev), Lam, M, V,
-                           repeats=repeats),
-           "levels": levels(terms == "kernel"),
-           "whole": timed(whole, *args, repeats=repeats)}
+    lc, Qh = fenwick.chunk_log2(c), Qh.reshape(B, H, N * c, d)
+    row = {"terms": terms, "chunk_parts": timed(split, *args, repeats=repeats)}
     if terms == "kernel":
-        row["levels_xla"] = levels(False)
-    row["rest"] = tuple(row["whole"][j] - sum(row[p][j] for p in ("chunk_parts", "window", "levels"))
-                        for j in range(2))
+        from hla_jax.kernels import gdn_blocks
+        row["output"] = timed(lambda M, V, Qh, A, Z, L: gdn_blocks.output(
+            M.reshape(B, H, N * c, c), V, Qh, A, Z, L, lc), M, V, Qh, A_c, Z, Lam, repeats=repeats)
+    else:
+        row["window"] = timed(lambda L, M, V: loglinear_chunked.window(
+            L.reshape(B, H, N, c, -1), M, jnp.moveaxis(V, 1, 2).reshape(B, H, N, c, -1),
+            fenwick.level_table(c)), Lam, M, V, repeats=repeats)
+        row["levels"] = timed(lambda Qh, A, Z, L: loglinear_gdn_blocks._levels(Qh, A, Z, L, lc, N),
+                              Qh, A_c, Z, Lam, repeats=repeats)
+    row["whole"] = timed(whole, *args, repeats=repeats)
+    named = [p for p in row if p not in ("terms", "whole")]
+    row["rest"] = tuple(row["whole"][j] - sum(row[p][j] for p in named) for j in range(2))
     return row
 
 

@@ -202,83 +202,113 @@ def test_chunk_terms_backward_kernel_is_the_vjp(rng, d, dv):
         assert_close(got, ref, 1e-5, name)
 
 
-def _levels_inputs(rng, dtype, B=1, H=2, N=13, c=16, d=16, dv=32):
-    """The chunk levels' inputs: ``Q̂ [B,H,N·c,d]``, ``Π [B,H,N,d,d]``, ``Z [B,H,N,d,dv]``,
-    ``Λ [B,H,N·c,L]`` (13 chunks: 4 chunk levels, the last blocks partial)."""
+def _output_inputs(rng, dtype, B=1, H=2, N=13, c=16, d=16, dv=32):
+    """The block form's output's inputs: ``M [B,H,N·c,c]`` (lower triangular),
+    ``V [B,N·c,H,dv]``, ``Q̂ [B,H,N·c,d]``, ``Π [B,H,N,d,d]``, ``Z [B,H,N,d,dv]``, ``Λ [B,H,N·c,L]``
+    (13 chunks: 4 chunk levels, the last blocks partial)."""
     L = fenwick.num_levels(N * c)
-    return (jnp.asarray(rng.normal(size=(B, H, N * c, d)) * 0.5, dtype),
-            jnp.asarray(rng.normal(size=(B, H, N, d, d)) * 0.2, dtype),
-            jnp.asarray(rng.normal(size=(B, H, N, d, dv)), dtype),
+    normal = lambda scale, *shape: jnp.asarray(rng.normal(size=shape) * scale, dtype)  # noqa: E731
+    m = np.tril(rng.normal(size=(B, H, N, c, c)) * 0.3).reshape(B, H, N * c, c)
+    return (jnp.asarray(m, jnp.float64), normal(1.0, B, N * c, H, dv), normal(0.5, B, H, N * c, d),
+            normal(0.2, B, H, N, d, d), normal(1.0, B, H, N, d, dv),
             jnp.asarray(rng.uniform(0.2, 1.5, size=(B, H, N * c, L)), jnp.float64))
 
 
-def _levels_of(N, c, kernel):
-    from hla_jax.ops import loglinear_gdn_blocks
-    return lambda *a: loglinear_gdn_blocks._levels(*a, fenwick.chunk_log2(c), N, kernel=kernel)
+def _output_of(kernel, c=16):
+    """``kernels.gdn_blocks.output`` (the Triton interpreter), or XLA's window and levels
+    (``loglinear_chunked.window``, ``ops.loglinear_gdn_blocks._levels``), tokens first."""
+    from hla_jax.kernels import gdn_blocks
+    from hla_jax.ops import loglinear_chunked, loglinear_gdn_blocks
+
+    lc = fenwick.chunk_log2(c)
+    if kernel:
+        return lambda *a: gdn_blocks.output(*a, lc, interpret=True)
+
+    def xla(m, v, qh, pi, z, lam):
+        B, H, Tp, _ = m.shape
+        chunk = lambda x: x.reshape(B, H, Tp // c, c, -1)                      # noqa: E731
+        out = loglinear_chunked.window(chunk(lam), chunk(m), chunk(jnp.moveaxis(v, 1, 2)),
+                                       fenwick.level_table(c)).reshape(B, H, Tp, -1)
+        return jnp.moveaxis(out + loglinear_gdn_blocks._levels(qh, pi, z, lam, lc, Tp // c), 1, 2)
+    return xla
 
 
-def test_levels_kernel_matches_xla_x64(x64, rng):
-    """The chunk levels' Triton kernels (interpreter) against XLA's up-sweep and pass per level
-    in float64 (13 chunks: odd node counts, the last blocks partial): the output and the
-    gradients of ``Q̂``, ``Π``, ``Z``, ``Λ`` (the sweep's and the reads' backward kernels)."""
-    args = _levels_inputs(rng, jnp.float64)
-    assert_close(_levels_of(13, 16, True)(*args), _levels_of(13, 16, False)(*args), 1e-12)
-    _assert_levels_grads_match_xla(rng, args)
+NAMES = ("M", "V", "Q̂", "Π", "Z", "Λ")
 
 
-def _assert_levels_grads_match_xla(rng, args):
-    """The kernels' gradients of ``Q̂``, ``Π``, ``Z``, ``Λ`` equal XLA's levels' within 1e-12
-    (13 chunks of 16, float64) for a random cotangent."""
-    w = jnp.asarray(rng.normal(size=(1, 2, 13 * 16, 32)))
-    for name, a, b in zip(("Q̂", "Π", "Z", "Λ"), grads_of(_levels_of(13, 16, True), args, range(4), w),
-                          grads_of(_levels_of(13, 16, False), args, range(4), w)):
+def test_output_kernel_matches_xla_x64(x64, rng):
+    """The block form's output on Triton kernels (interpreter: the window and the reads in one
+    program per chunk, tokens first) against XLA's window, up-sweep and pass per level in float64
+    (13 chunks: odd node counts, the last blocks partial): the output and the gradients of
+    ``M``, ``V``, ``Q̂``, ``Π``, ``Z``, ``Λ`` (the sweep's and the reads' backward kernels)."""
+    args = _output_inputs(rng, jnp.float64)
+    assert_close(_output_of(True)(*args), _output_of(False)(*args), 1e-12)
+    _assert_output_grads_match_xla(rng, args)
+
+
+def test_output_kernel_of_one_chunk_x64(x64, rng):
+    """One chunk (no chunk levels): the window alone, and its gradients."""
+    args = _output_inputs(rng, jnp.float64, N=1)
+    assert_close(_output_of(True)(*args), _output_of(False)(*args), 1e-12)
+    _assert_output_grads_match_xla(rng, args)
+
+
+def _assert_output_grads_match_xla(rng, args):
+    """The kernels' gradients of every input equal XLA's within 1e-12 (float64) for a random
+    cotangent."""
+    w = jnp.asarray(rng.normal(size=args[1].shape))
+    for name, a, b in zip(NAMES, grads_of(_output_of(True), args, range(6), w),
+                          grads_of(_output_of(False), args, range(6), w)):
         assert_close(a, b, 1e-12, "d" + name)
 
 
 def test_levels_backward_in_runs_x64(x64, rng, monkeypatch):
     """Right halves summed in runs of 2 chunks (``gdn_levels.RUN``; runs of 16 at the benchmark's
     sizes), the runs of a pair then by XLA, a run past the last chunk empty: the gradients equal
-    XLA's levels in float64 (13 chunks)."""
+    XLA's in float64 (13 chunks)."""
     from hla_jax.kernels.gpu import gdn_levels
 
     monkeypatch.setattr(gdn_levels, "RUN", 2)
-    _assert_levels_grads_match_xla(rng, _levels_inputs(rng, jnp.float64))
+    _assert_output_grads_match_xla(rng, _output_inputs(rng, jnp.float64))
 
 
-def test_levels_kernel_bf16(rng):
-    """bf16 ``Q̂, Π, Z``: the kernels against the float64 levels on the same (bf16) values, as
-    close as XLA's bf16 path (16-bit operands, float32 accumulation, nodes and ``r`` rounded per
-    level), output and gradients; ``d = 24``, ``dv = 20`` zero-padded to 32."""
+def test_output_kernel_bf16(rng):
+    """bf16 ``V``, ``Q̂``, ``Π``, ``Z``: the kernels against the float64 output on the same (bf16)
+    values, as close as XLA's bf16 path (16-bit operands, float32 accumulation, nodes and ``r``
+    rounded per level), output and gradients; ``d = 24``, ``dv = 20`` zero-padded to 32."""
     with jax.enable_x64(True):
-        args = _levels_inputs(rng, jnp.float64, d=24, dv=20)
-        args = tuple(x.astype(jnp.bfloat16).astype(jnp.float64) for x in args[:3]) + args[3:]
-        ref = _levels_of(13, 16, False)(*args)
+        args = _output_inputs(rng, jnp.float64, d=24, dv=20)
+        args = args[:1] + tuple(x.astype(jnp.bfloat16).astype(jnp.float64) for x in args[1:5]) + args[5:]
+        ref = _output_of(False)(*args)
         w = jnp.asarray(rng.normal(size=ref.shape))
-        refs = [ref] + list(grads_of(_levels_of(13, 16, False), args, range(4), w))
-    low = tuple(x.astype(jnp.bfloat16) for x in args[:3]) + (args[3].astype(jnp.float32),)
+        refs = [ref] + list(grads_of(_output_of(False), args, range(6), w))
+    low = (args[0].astype(jnp.float32),) + tuple(x.astype(jnp.bfloat16) for x in args[1:5]) + (
+        args[5].astype(jnp.float32),)
     w = w.astype(jnp.float32)
     for kernel in (True, False):
-        f = _levels_of(13, 16, kernel)
-        for name, a, b in zip(("o", "dQ̂", "dΠ", "dZ", "dΛ"),
-                              [f(*low)] + list(grads_of(f, low, range(4), w)), refs):
+        f = _output_of(kernel)
+        for name, a, b in zip(("o",) + NAMES, [f(*low)] + list(grads_of(f, low, range(6), w)), refs):
             assert_close(a.astype(jnp.float32), b.astype(jnp.float32), 2e-2, name)
 
 
-def test_levels_kernels_lower_for_cuda():
-    """The chunk levels' kernels go through Triton's real lowering at the benchmark's head dims
-    128 (8 chunks, 3 levels): the up-sweep's 2 combining levels and the reads forward; the
-    gradient's program has those (the reads saving their queries) and, per level, one kernel for
-    the reads' backward and the sweep's (runs of at most ``gdn_levels.RUN`` chunks)."""
+def test_output_kernels_lower_for_cuda():
+    """The output's kernels go through Triton's real lowering at the benchmark's chunk and head
+    dims (8 chunks of 64, 3 levels, d = dv = 128): the up-sweep's 2 combining levels and the
+    window with the reads; the gradient's program has those (the reads saving their queries)
+    and, per level, one kernel for the reads' backward and the sweep's (runs of at most
+    ``gdn_levels.RUN`` chunks)."""
     from hla_jax.kernels import gdn_blocks
 
     N, c, d = 8, 64, 128
+    m = jax.ShapeDtypeStruct((1, 2, N * c, c), jnp.float32)
+    v = jax.ShapeDtypeStruct((1, N * c, 2, d), jnp.bfloat16)
     qh = jax.ShapeDtypeStruct((1, 2, N * c, d), jnp.bfloat16)
     pi = jax.ShapeDtypeStruct((1, 2, N, d, d), jnp.bfloat16)
-    lam = jax.ShapeDtypeStruct((1, 2, N * c, 3), jnp.float32)
-    loss = lambda q, p, z, l: jnp.sum(gdn_blocks.levels(q, p, z, l, c, interpret=False))
-    assert lower_for("cuda", loss, qh, pi, pi, lam).count("__gpu$xla.gpu.triton") == 3
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
-    assert lower_for("cuda", grad, qh, pi, pi, lam).count("__gpu$xla.gpu.triton") == 6
+    lam = jax.ShapeDtypeStruct((1, 2, N * c, 10), jnp.float32)
+    loss = lambda *a: jnp.sum(gdn_blocks.output(*a, 6, interpret=False))
+    assert lower_for("cuda", loss, m, v, qh, pi, pi, lam).count("__gpu$xla.gpu.triton") == 3
+    grad = jax.grad(loss, argnums=tuple(range(6)))
+    assert lower_for("cuda", grad, m, v, qh, pi, pi, lam).count("__gpu$xla.gpu.triton") == 6
 
 
 def test_reset_gate_stays_finite(rng):

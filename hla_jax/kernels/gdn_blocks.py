@@ -2,11 +2,12 @@
 its per-chunk terms (``chunk_terms``) from the first-order kernel's UT transform and its backward
 (``kernels/gpu/gdn_ut_mgpu.py``, Mosaic GPU) and one Triton program per chunk for the rest
 (``kernels/gpu/gdn_terms.py``) instead of XLA's batched triangular solve and einsums
-(``loglinear_chunked.chunk_terms``); and the chunk levels (``levels``: the
-up-sweep a Triton program per pair of nodes, ``kernels/gpu/gdn_sweep.py``; the reads one program
-per chunk carrying its running query up the levels, their backward and the up-sweep's one
-launch per level carrying its cotangent down, ``kernels/gpu/gdn_levels.py``) instead of XLA's
-batched products and pass per level over every token.
+(``loglinear_chunked.chunk_terms``); and the output (``output``: the up-sweep a Triton program
+per pair of nodes, ``kernels/gpu/gdn_sweep.py``; then one program per chunk forming its window
+and carrying its running query up the levels, writing ``o`` tokens first; the reads' backward
+and the up-sweep's one launch per level carrying its cotangent down,
+``kernels/gpu/gdn_levels.py``) instead of XLA's window, its batched products and pass per level
+over every token, and the moves of ``V`` and ``o`` between layouts.
 
 Per chunk of ``C = 64`` tokens, with ``ρ = exp(b)`` (``b`` the chunk-local cumulative log-decay,
 floored at ``wrap.LOG_DECAY_FLOOR``), ``Γ[τ,σ] = ρ_τ/ρ_σ`` (``τ ≥ σ``), ``K̃ = (ρ_c/ρ)∘K``::
@@ -31,6 +32,8 @@ import jax.numpy as jnp
 from hla_jax.kernels import wrap
 from hla_jax.kernels.gpu import gdn_levels, gdn_sweep, gdn_terms, gdn_terms_mgpu, gdn_ut_mgpu
 from hla_jax.kernels.gpu.la_mgpu import F32, LOG2E, C
+from hla_jax.ops import fenwick
+from hla_jax.ops.loglinear_chunked import window
 
 
 def _t(x, beta):
@@ -50,7 +53,7 @@ def terms(q, k, v, b, beta, interpret):
 def _terms_fwd(q, k, v, b, beta, interpret):
     b2 = b * LOG2E
     w, u, x = gdn_ut_mgpu.forward(k, v, b2, beta, interpret=interpret)
-    out = gdn_terms.forward(q, k, w, u, _t(x, beta), b, interpret=interpret)
+    out = gdn_terms.forward(q, k, w, u, x, beta, b, interpret=interpret)
     return out, (q, k, v, b2, beta, w, u, x)
 
 
@@ -93,10 +96,15 @@ def chunk_terms(q, k, v, g, beta, Tp: int, interpret=None):
 def _sweep(pi, z, P, interpret):
     """The up-sweep's nodes of levels ``0..P−1`` (``kernels/gpu/gdn_sweep.py``), level 0 the
     chunks' ``(pi, z)``."""
-    nodes = [(pi, z)]
+    nodes = [(pi, z)] if P else []
     for _ in range(P - 1):
         nodes.append(gdn_sweep.forward(*nodes[-1], interpret=interpret))
     return nodes
+
+
+def _split(nodes):
+    """``(Π's, Z's)`` of the up-sweep's nodes, level by level."""
+    return tuple(n[0] for n in nodes), tuple(n[1] for n in nodes)
 
 
 def _widen(x, *widths):
@@ -105,48 +113,72 @@ def _widen(x, *widths):
     return jnp.pad(x, lead + [(0, w - n) for w, n in zip(widths, x.shape[x.ndim - len(widths):])])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _levels(qh, pi, z, lam, c, interpret):
-    """``o [B,H,Tp,dv]`` float32 of the up-sweep and the reads (``levels``, padded inputs)."""
-    nodes = _sweep(pi, z, lam.shape[-1], interpret)
-    return gdn_levels.forward(qh, *zip(*nodes), lam, c=c, interpret=interpret)
+def _num_levels(qh, lc):
+    """``P``, the chunk levels of ``Tp = N·2^lc`` tokens (``fenwick.num_levels(N) − 1``)."""
+    return fenwick.num_levels(qh.shape[2] >> lc) - 1
 
 
-def _levels_fwd(qh, pi, z, lam, c, interpret):
-    nodes = _sweep(pi, z, lam.shape[-1], interpret)
-    o, r = gdn_levels.forward(qh, *zip(*nodes), lam, c=c, save=True, interpret=interpret)
-    return o, (nodes, r, lam)
+def _window(m, v, lam):
+    """XLA's window ``(Λ ∘ M) V`` (``loglinear_chunked.window``) on ``output``'s layouts, heads
+    first ``[B,H,Tp,dv]``: the backward's."""
+    B, H, Tp, c = m.shape
+    chunk = lambda x: x.reshape(B, H, Tp // c, c, -1)                           # noqa: E731
+    out = window(chunk(lam), chunk(m), chunk(jnp.moveaxis(v, 1, 2)), fenwick.level_table(c))
+    return out.reshape(B, H, Tp, -1)
 
 
-def _levels_bwd(c, interpret, res, do):
-    """Down the levels, each the reads' backward (``δ``, ``∂λ``, the left nodes' own cotangents)
-    and the up-sweep's (each node's from its combined node's and its own), ``gdn_levels``."""
-    nodes, r, lam = res
-    pi, z = nodes[-1]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _output(m, v, qh, pi, z, lam, lc, interpret):
+    """``o [B,Tp,H,dv]`` float32 (``output``, padded inputs)."""
+    nodes = _sweep(pi, z, _num_levels(qh, lc), interpret)
+    return gdn_levels.forward(m, v, qh, *_split(nodes), lam, lc=lc, interpret=interpret)
+
+
+def _output_fwd(m, v, qh, pi, z, lam, lc, interpret):
+    nodes = _sweep(pi, z, _num_levels(qh, lc), interpret)
+    out = gdn_levels.forward(m, v, qh, *_split(nodes), lam, lc=lc, save=bool(nodes),
+                             interpret=interpret)
+    o, r = out if nodes else (out, None)
+    return o, (m, v, qh, pi, z, nodes, r, lam)
+
+
+def _output_bwd(lc, interpret, res, do):
+    """The window's by XLA, then down the levels, each the reads' backward (``δ``, ``∂λ``, the
+    left nodes' own cotangents) and the up-sweep's (each node's from its combined node's and its
+    own), ``gdn_levels``."""
+    m, v, qh, pi, z, nodes, r, lam = res
+    do = jnp.moveaxis(do, 1, 2)
+    dm, dv, dlam = jax.vjp(_window, m, v, lam)[1](do)
+    if not nodes:
+        return dm, dv, jnp.zeros_like(qh), jnp.zeros_like(pi), jnp.zeros_like(z), dlam
+    top_pi, top_z = nodes[-1]
     do = do.astype(r.dtype)
-    delta, dlam = jnp.zeros(do.shape[:3] + r.shape[-1:], r.dtype), jnp.zeros_like(lam)
-    dpi = jnp.zeros(pi.shape[:2] + (-(-pi.shape[2] // 2),) + pi.shape[3:], pi.dtype)
-    dz = jnp.zeros(z.shape[:2] + dpi.shape[2:3] + z.shape[3:], z.dtype)
+    delta = jnp.zeros(do.shape[:3] + r.shape[-1:], r.dtype)
+    dpi = jnp.zeros(top_pi.shape[:2] + (-(-top_pi.shape[2] // 2),) + top_pi.shape[3:], top_pi.dtype)
+    dz = jnp.zeros(top_z.shape[:2] + dpi.shape[2:3] + top_z.shape[3:], top_z.dtype)
     for i in reversed(range(len(nodes))):
         delta, dlam, dpi, dz = gdn_levels.backward(r, *nodes[i], lam, do, delta, dlam, dpi, dz, i=i,
-                                                   c=c, interpret=interpret)
-    return delta, dpi, dz, dlam
+                                                   lc=lc, interpret=interpret)
+    return dm, dv, delta, dpi, dz, dlam
 
 
-_levels.defvjp(_levels_fwd, _levels_bwd)
+_output.defvjp(_output_fwd, _output_bwd)
 
 
-def levels(qh, pi, z, lam, c: int, interpret=None):
-    """The chunk levels of ``ops.loglinear_gdn_blocks``: the up-sweep of the chunks' ``(Π, Z)``
-    (one Triton program per pair and level, forward and backward), then the reads
-    ``Σ_i λ_i ∘ (r_i Z_i)``, ``r_{i+1} = r_i Π_i`` over the levels ``i`` at which a token's chunk
-    lies in a right half (one Triton program per chunk; backward one launch per level, one
-    program per run of a right half, ``kernels/gpu/gdn_levels.py``): ``qh [B,H,Tp,d]``
-    (``Tp = N c``), ``pi [B,H,N,d,d]``, ``z [B,H,N,d,dv]`` in ``qh``'s dtype, ``lam [B,H,Tp,P]``
-    float32 (level ``i``'s weight in column ``i``, ``P ≥ 1``) -> ``[B,H,Tp,dv]`` float32; ``d``,
-    ``dv`` zero-padded to powers of two ≥ 16.  ``interpret=None``: the Triton interpreter on
-    CPU."""
+def output(m, v, qh, pi, z, lam, lc: int, interpret=None):
+    """The output of ``ops.loglinear_gdn_blocks``: the window ``(Λ ∘ M) V`` inside each chunk and
+    the chunk levels, the up-sweep of the chunks' ``(Π, Z)`` (one Triton program per pair and
+    level, forward and backward), then the reads ``Σ_i λ_{lc+1+i} ∘ (r_i Z_i)``,
+    ``r_{i+1} = r_i Π_i`` over the levels ``i`` at which a token's chunk lies in a right half (one
+    Triton program per chunk, the window's product first; backward: the window's by XLA, the
+    reads' one launch per level, one program per run of a right half,
+    ``kernels/gpu/gdn_levels.py``): ``m [B,H,Tp,c]`` float32 (``c = 2^lc``, ``Tp = N c``),
+    ``v [B,Tp,H,dv]``, ``qh [B,H,Tp,d]``, ``pi [B,H,N,d,d]``, ``z [B,H,N,d,dv]`` in ``qh``'s dtype,
+    ``lam [B,H,Tp,L]`` float32 (level ``ℓ``'s weight in column ``ℓ``,
+    ``L ≥ lc + fenwick.num_levels(N)``) -> ``o [B,Tp,H,dv]`` float32; ``d``, ``dv`` zero-padded
+    to powers of two ≥ 16.  ``interpret=None``: the Triton interpreter on CPU."""
     interpret = bool(jax.default_backend() == "cpu" if interpret is None else interpret)
     d, dv = qh.shape[-1], z.shape[-1]
     dp, dvp = wrap.pow2_at_least(max(d, 16)), wrap.pow2_at_least(max(dv, 16))
-    return _levels(_widen(qh, dp), _widen(pi, dp, dp), _widen(z, dp, dvp), lam, c, interpret)[..., :dv]
+    return _output(m, _widen(v, dvp), _widen(qh, dp), _widen(pi, dp, dp), _widen(z, dp, dvp), lam,
+                   lc, interpret)[..., :dv]

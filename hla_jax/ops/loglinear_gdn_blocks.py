@@ -20,17 +20,19 @@ right half,
 
 Each level is four batched matmuls, two combining adjacent blocks and two over the right
 halves' tokens: O(T·c·d + T·d·(d+dv)·log(T/c) + (T/c)·d²·(d+dv)) work, depth O(log T), no
-scan; autodiff gives the backward (``terms="kernel"``: the levels on Triton kernels,
-``kernels.gdn_blocks.levels``).  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V``
-(``loglinear_chunked.window``).
+scan; autodiff gives the backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V``
+(``loglinear_chunked.window``).  With ``terms="kernel"`` the window and the levels are Triton
+kernels (``kernels.gdn_blocks.output``, its backward the window's by XLA and the levels' by
+Triton).
 Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
 transitions). The chunk terms are formed in the state dtype at the caller's matmul precision
 (``common.matmul_precision``; ``terms="kernel"``'s kernels: float32 factors as two 16-bit halves in
-the UT transform, TF32 in the Triton chunk terms). With 16-bit inputs ``Q̂``, ``A_c``, ``Z``, ``V``
-are kept in 16 bits, and so are the up-sweep's ``(Π, Z)`` and the running query ``r``: the sweeps
-and reads take 16-bit operands with float32 accumulation, forward and backward
-(``loglinear_blocks.dot16``), as the kernels do, their results rounded back to 16 bits; ``M``, the
-window and the output are float32.
+the UT transform, TF32 in the Triton chunk terms but for ``Z``'s 16-bit product). With 16-bit
+inputs ``Q̂``, ``A_c``, ``Z``, ``V`` are kept in 16 bits, and so are the up-sweep's ``(Π, Z)`` and
+the running query ``r``: the sweeps and reads take 16-bit operands with float32 accumulation,
+forward and backward (``loglinear_blocks.dot16``), as the kernels do, their results rounded back
+to 16 bits; ``M``, the window and the output are float32 (the kernels' window rounds ``Λ ∘ M`` to
+16 bits for its product, as the first-order kernels' chunk products do).
 """
 
 from __future__ import annotations
@@ -84,21 +86,15 @@ def _read(Qh, sweep, Lam, c: int, dot):
     return out
 
 
-def _levels(Qh, Pi, Z, Lam, lc: int, N: int, kernel: bool = False):
+def _levels(Qh, Pi, Z, Lam, lc: int, N: int):
     """The chunk levels (module docstring): ``Qh [B,H,Tp,d]`` per token, ``Pi [B,H,N,d,d]`` and
     ``Z [B,H,N,d,dv]`` per chunk, all in one dtype, ``Lam [B,H,Tp,L]`` -> ``[B,H,Tp,dv]``; 16-bit
-    terms: ``dot16`` products, ``r``, ``Π``, ``Z`` rounded back to 16 bits, the output float32.
-    ``kernel``: the up-sweep and the reads by ``kernels.gdn_blocks.levels`` (Triton, forward and
-    backward)."""
+    terms: ``dot16`` products, ``r``, ``Π``, ``Z`` rounded back to 16 bits, the output float32."""
     dot = dot16 if jnp.dtype(Qh.dtype).itemsize < 4 else common.ein
     P = fenwick.num_levels(N) - 1
     if P == 0:
         return 0.0
-    lam, c = Lam[..., lc + 1:lc + 1 + P], Qh.shape[2] // N
-    if kernel:
-        from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
-        return gdn_blocks.levels(Qh, Pi, Z, lam, c)
-    return _read(Qh, _sweep(Pi, Z, P, dot), lam, c, dot)
+    return _read(Qh, _sweep(Pi, Z, P, dot), Lam[..., lc + 1:lc + 1 + P], Qh.shape[2] // N, dot)
 
 
 def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
@@ -107,22 +103,27 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     ``v [B,T,H,dv]``, ``g, beta [B,T,H]``, ``lam [B,T,H,L ≥ fenwick.num_levels(T)]``,
     ``chunk_size`` a power of two -> ``[B,T,H,dv]`` in the state dtype (float32; float64 for
     float64 inputs).  ``terms="kernel"``: the per-chunk terms from the first-order kernel's UT
-    transform and the chunk levels' up-sweep and reads on Triton (``kernels.gdn_blocks``; chunk
-    64, ``d`` a power of two ≥ 16; the GPU and Triton interpreters on CPU; log-decays floored at
-    ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
+    transform, the window and the chunk levels' up-sweep and reads on Triton
+    (``kernels.gdn_blocks``; chunk 64, ``d`` a power of two ≥ 16; the GPU and Triton interpreters
+    on CPU; log-decays floored at ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
     M, Qh, A_c, Z, V, Lam = chunk_parts(q, k, v, g, beta, lam, chunk_size, terms)
     B, H, N, c, d = Qh.shape
+    lc, Qh = fenwick.chunk_log2(c), Qh.reshape(B, H, N * c, d)
+    if terms == "kernel":
+        from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
+        return gdn_blocks.output(M.reshape(B, H, N * c, c), V, Qh, A_c, Z, Lam, lc)[:, :q.shape[1]]
+    V = jnp.moveaxis(V, 1, 2).reshape(B, H, N, c, -1)
     out = window(Lam.reshape(B, H, N, c, -1), M, V, fenwick.level_table(c)).reshape(B, H, N * c, -1)
-    out = out + _levels(Qh.reshape(B, H, N * c, d), A_c, Z, Lam, fenwick.chunk_log2(c), N,
-                        kernel=terms == "kernel")
+    out = out + _levels(Qh, A_c, Z, Lam, lc, N)
     return jnp.moveaxis(out, 1, 2)[:, :q.shape[1]]
 
 
 def chunk_parts(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
-    """``blocks``' per-chunk terms, heads first: ``(M [B,H,N,c,c], Q̂ [B,H,N,c,d],
-    A_c [B,H,N,d,d], Z [B,H,N,d,dv], V [B,H,N,c,dv], Λ [B,H,N·c,L])``, the inputs zero-padded to
-    ``N = ⌈T/c⌉`` chunks; ``terms`` as for ``blocks``.  All are formed in the state dtype;
-    with 16-bit ``q, k, v``, ``Q̂``, ``A_c``, ``Z`` and ``V`` are kept in ``q``'s dtype."""
+    """``blocks``' per-chunk terms ``(M [B,H,N,c,c], Q̂ [B,H,N,c,d], A_c [B,H,N,d,d],
+    Z [B,H,N,d,dv], V [B,N·c,H,dv], Λ [B,H,N·c,L])``, heads first but ``V`` (tokens first, as
+    given), the inputs zero-padded to ``N = ⌈T/c⌉`` chunks; ``terms`` as for ``blocks``.  All are
+    formed in the state dtype; with 16-bit ``q, k, v``, ``Q̂``, ``A_c``, ``Z`` and ``V`` are kept
+    in ``q``'s dtype."""
     if terms not in ("xla", "kernel"):
         raise ValueError(f"loglinear_gdn_blocks: terms must be 'xla' or 'kernel', got {terms!r}")
     c = chunk_size
@@ -131,7 +132,8 @@ def chunk_parts(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla")
     dt = common.state_dtype(q, k, v, g, beta, lam)
     mdt = q.dtype if all(jnp.dtype(x.dtype).itemsize < 4 for x in (q, k, v)) else dt
     chunk = lambda x: x.reshape(x.shape[:2] + (N, c) + x.shape[3:])      # noqa: E731
-    V, Lam = chunk(heads_first(v, N * c, mdt)), heads_first(lam, N * c, dt)
+    V = jnp.pad(v.astype(mdt), ((0, 0), (0, N * c - v.shape[1]), (0, 0), (0, 0)))
+    Lam = heads_first(lam, N * c, dt)
     if terms == "kernel":
         from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
         if c != gdn_blocks.C or dt != jnp.float32:
@@ -140,6 +142,7 @@ def chunk_parts(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla")
         M, Qh, A_c, Z = gdn_blocks.chunk_terms(q, k, v, g, beta, N * c)
     else:
         Q, K, G, Beta = (chunk(heads_first(x, N * c, dt)) for x in (q, k, g, beta))
-        M, Qh, A_c, Kw = chunk_terms(Q, K, V, G, Beta)
-        Z = common.ein("...cd,...cv->...dv", Kw, V)
+        Vh = chunk(jnp.moveaxis(V, 1, 2))
+        M, Qh, A_c, Kw = chunk_terms(Q, K, Vh, G, Beta)
+        Z = common.ein("...cd,...cv->...dv", Kw, Vh)
     return M, Qh.astype(mdt), A_c.astype(mdt), Z.astype(mdt), V, Lam

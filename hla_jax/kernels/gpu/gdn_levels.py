@@ -1,26 +1,30 @@
-"""The reads of log-linear Gated DeltaNet's chunk levels (``ops.loglinear_gdn_blocks``) for NVIDIA
-GPUs, forward and backward: ``pallas_call`` lowered through Triton.
+"""The output of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``) for NVIDIA
+GPUs, the window inside each chunk and the reads of the chunk levels, forward, and the reads'
+backward: ``pallas_call`` lowered through Triton.
 
 Level ``i``'s nodes ``(Π_i [B,H,n_i,d,d], Z_i [B,H,n_i,d,dv])`` are the up-sweep's
 (``gdn_sweep``; level 0 the chunks', ``n_i = ⌈N/2^i⌉``); chunk ``n`` lies in the right half of
 pair ``m = n >> (i+1)`` when bit ``i`` of ``n`` is set, and then reads its left node ``2m``.
 
-Forward, one program per (batch, head, chunk): the chunk's tokens carry their running query
-``r`` (first ``Q̂``) up the levels, at each level ``i`` where bit ``i`` is set
+Forward, one program per (batch, head, chunk) of ``c = 2^lc`` tokens: the window
+``o = (Λ ∘ M) V`` over the chunk's own keys (``Λ[τ,σ] = λ_τ^{ℓ(τ,σ)}``, levels ``0..lc``;
+``Λ ∘ M`` rounded to ``V``'s dtype, float32 accumulation), then the chunk's tokens carry their
+running query ``r`` (first ``Q̂``) up the levels, at each level ``i`` where bit ``i`` is set
 
-    o += λ_i ∘ (r Z_i),      r ← r Π_i
+    o += λ_{lc+1+i} ∘ (r Z_i),      r ← r Π_i
 
 (products accumulated in float32, ``r`` rounded back to ``Q̂``'s dtype), so ``r`` and ``o`` stay
-on chip.  With ``save`` it also writes the ``r`` each level read, packed: level ``i``'s right
-halves hold ``⌊N/2⌋`` chunks, chunk ``n`` at ``n`` without its bit ``i`` (``_packed``), so a
-pair's right half is one contiguous run.
+on chip, and ``o`` is written tokens first.  With ``save`` it also writes the ``r`` each level
+read, packed: level ``i``'s right halves hold ``⌊N/2⌋`` chunks, chunk ``n`` at ``n`` without its
+bit ``i`` (``_packed``), so a pair's right half is one contiguous run.  (The window's backward is
+XLA's: ``kernels.gdn_blocks``.)
 
 Backward, one launch per level from the top, one program per (batch, head, pair, run of at most
 ``RUN`` chunks of its right half): with ``δ`` the cotangent of the query after level ``i``
 (carried between launches in ``Q̂``'s dtype, updated in place),
 
-    X = ∂o Z_iᵀ,   ∂λ_i = rowsum(r ∘ X),   ∂Z_i ⊇ (λ_i ∘ r)ᵀ ∂o,   ∂Π_i ⊇ rᵀ δ,
-    then  δ ← δ Π_iᵀ + λ_i ∘ X
+    X = ∂o Z_iᵀ,   ∂λ_{lc+1+i} = rowsum(r ∘ X),   ∂Z_i ⊇ (λ ∘ r)ᵀ ∂o,   ∂Π_i ⊇ rᵀ δ,
+    then  δ ← δ Π_iᵀ + λ ∘ X
 
 (``∂o`` in ``Q̂``'s dtype; the node sums over the run on chip).  With one run a pair
 (``2^i ≤ RUN``) the program then takes the pair's up-sweep backward too
@@ -28,9 +32,9 @@ Backward, one launch per level from the top, one program per (batch, head, pair,
 pair are summed by XLA and ``gdn_sweep.backward`` follows.  ``∂Q̂`` is ``δ`` after level 0.
 Left-half tokens pass ``δ`` through untouched.
 
-Layouts, heads first: ``Q̂ [B,H,Tp,d]``, ``λ [B,H,Tp,P]`` float32 (level ``i``'s weights in
-column ``i``), ``o [B,H,Tp,dv]`` float32, the saved queries ``[B,H,P,⌊N/2⌋c,d]``; ``d``, ``dv`` and
-``c`` powers of two ≥ 16.
+Layouts: ``M [B,H,Tp,c]`` float32, ``V [B,Tp,H,dv]``, ``Q̂ [B,H,Tp,d]``, ``λ [B,H,Tp,L]`` float32
+(level ``ℓ``'s weights in column ``ℓ``), ``o [B,Tp,H,dv]`` float32, ``∂o [B,H,Tp,dv]``, the saved
+queries ``[B,H,P,⌊N/2⌋c,d]``; ``d``, ``dv`` and ``c`` powers of two ≥ 16.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 from hla_jax.kernels.gpu import gdn_sweep
 from hla_jax.kernels.gpu.walk import compiler_params
 from hla_jax.kernels.la_chunk import F32, dot
+from hla_jax.kernels.loglinear_chunk import level_table, level_weights
 
 RUN = 16  # the most chunks of a right half one backward program sums over
 
@@ -55,52 +60,57 @@ def _packed(n, i):
     return ((n >> (i + 1)) << i) | (n & ((1 << i) - 1))
 
 
-@functools.partial(jax.jit, static_argnames=("c", "save", "interpret"))
-def forward(qh, pis, zs, lam, *, c, save=False, interpret=False):
-    """``o [B,H,Tp,dv]`` float32, and with ``save`` the queries each level read
-    ``[B,H,P,⌊N/2⌋c,d]`` (module docstring); ``pis``, ``zs``: level ``i``'s nodes at ``[i]``."""
+@functools.partial(jax.jit, static_argnames=("lc", "save", "interpret"))
+def forward(m, v, qh, pis, zs, lam, *, lc, save=False, interpret=False):
+    """``o [B,Tp,H,dv]`` float32, the window and the reads, and with ``save`` the queries each
+    level read ``[B,H,P,⌊N/2⌋c,d]`` (module docstring): ``m [B,H,Tp,c]``, ``v [B,Tp,H,dv]``,
+    ``lam [B,H,Tp,L]``; ``pis``, ``zs``: level ``i``'s nodes at ``[i]`` (none for one chunk)."""
     B, H, Tp, d = qh.shape
-    P, dv = len(pis), zs[0].shape[-1]
+    c, P, dv = 1 << lc, len(pis), v.shape[-1]
     acc = jnp.result_type(F32, qh.dtype)
 
-    def kernel(qh_ref, *refs):
+    def kernel(m_ref, v_ref, qh_ref, *refs):
         pi_refs, z_refs, (lam_ref, o_ref, *r_ref) = refs[:P], refs[P:2 * P], refs[2 * P:]
         b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         ts = pl.ds(pl.multiple_of(n * c, c), c)
+        lams = [lam_ref[b, h, ts, ell] for ell in range(min(lc + 1, lam.shape[-1]))]
+        Lam = level_weights(lams, level_table(c))
+        window = dot((Lam * m_ref[b, h, ts, :]).astype(v.dtype), v_ref[b, ts, h, :])
 
         def level(i, carry):
             r, o = carry
             node = 2 * (n >> (i + 1))
             if save:
                 r_ref[0][b, h, i, pl.ds(pl.multiple_of(_packed(n, i) * c, c), c), :] = r
-            o = o + lam_ref[b, h, ts, i][:, None] * dot(r, z_refs[i][b, h, node, :, :])
+            o = o + lam_ref[b, h, ts, lc + 1 + i][:, None] * dot(r, z_refs[i][b, h, node, :, :])
             return dot(r, pi_refs[i][b, h, node, :, :]).astype(r.dtype), o
 
-        carry = (qh_ref[b, h, ts, :], jnp.zeros((c, dv), acc))
+        carry = (qh_ref[b, h, ts, :], window)
         for i in range(P):
             carry = lax.cond((n >> i) & 1 == 1, functools.partial(level, i), lambda x: x, carry)
-        o_ref[b, h, ts, :] = carry[1]
+        o_ref[b, ts, h, :] = carry[1]
 
-    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, dv), acc)]
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, H, dv), acc)]
     if save:
         out_shape.append(jax.ShapeDtypeStruct((B, H, P, Tp // c // 2 * c, d), qh.dtype))
     params = compiler_params(4, interpret)
     out = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H, Tp // c), compiler_params=params,
-                         interpret=interpret)(qh, *pis, *zs, lam)
+                         interpret=interpret)(m, v, qh, *pis, *zs, lam)
     return tuple(out) if save else out[0]
 
 
-def backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, *, i, c, interpret=False):
+def backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, *, i, lc, interpret=False):
     """Level ``i``'s backward (module docstring) and its up-sweep's (``gdn_sweep``): from the
     saved queries ``r [B,H,P,⌊N/2⌋c,d]``, the level's nodes ``pi [B,H,n_i,d,d]``,
-    ``z [B,H,n_i,d,dv]``, ``λ [B,H,Tp,P]``, ``do [B,H,Tp,dv]`` in ``r``'s dtype, ``δ [B,H,Tp,d]``
-    after level ``i``, ``∂λ [B,H,Tp,P]`` and the combined nodes' cotangents ``dpi2, dz2``
-    (``[B,H,⌈n_i/2⌉,…]``) -> ``(δ, ∂λ)`` with level ``i`` done and the level's nodes'
-    ``(∂Π, ∂Z)`` in ``pi``'s dtype.  Runs of ``min(2^i, RUN)`` chunks: with one run a pair, its
-    program ends with the pair's up-sweep backward (``gdn_sweep.pair_backward``); with more, the
-    runs' sums go through XLA's sum to ``gdn_sweep.backward``."""
+    ``z [B,H,n_i,d,dv]``, ``λ [B,H,Tp,L]``, ``do [B,H,Tp,dv]`` in ``r``'s dtype, ``δ [B,H,Tp,d]``
+    after level ``i``, ``∂λ [B,H,Tp,L]`` and the combined nodes' cotangents ``dpi2, dz2``
+    (``[B,H,⌈n_i/2⌉,…]``) -> ``(δ, ∂λ)`` with level ``i`` done (``∂λ``'s column ``lc + 1 + i``
+    written; ``c = 2^lc``) and the level's nodes' ``(∂Π, ∂Z)`` in ``pi``'s dtype.  Runs of
+    ``min(2^i, RUN)`` chunks: with one run a pair, its program ends with the pair's up-sweep
+    backward (``gdn_sweep.pair_backward``); with more, the runs' sums go through XLA's sum to
+    ``gdn_sweep.backward``."""
     run = min(1 << i, RUN)
-    out = _backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, i=i, c=c, run=run,
+    out = _backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, i=i, lc=lc, run=run,
                     interpret=interpret)
     if run == 1 << i:
         return out
@@ -108,12 +118,13 @@ def backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, *, i, c, interpret=False
     return (delta, dlam) + gdn_sweep.backward(pi, z, dpi2, dz2, dpil, dzl, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("i", "c", "run", "interpret"))
-def _backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, *, i, c, run, interpret):
+@functools.partial(jax.jit, static_argnames=("i", "lc", "run", "interpret"))
+def _backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, *, i, lc, run, interpret):
     """``backward``'s kernel: ``(δ, ∂λ, ∂Π, ∂Z)``, the last two the level's nodes' (one run a
     pair) or else the left nodes' own, ``[B,H,⌈n_i/2⌉,…]`` (each run's float32 sums added by
     XLA)."""
     B, H, Tp, d = delta.shape
+    c, col = 1 << lc, lc + 1 + i
     N, dv, half, pairs = Tp // c, z.shape[-1], 1 << i, -(-pi.shape[2] // 2)
     runs = half // run
     acc = jnp.result_type(F32, r.dtype)
@@ -129,9 +140,9 @@ def _backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, *, i, c, run, interpret
             ts = pl.ds(pl.multiple_of(((2 * m + 1) * half + first + j) * c, c), c)
             ri = r_ref[b, h, i, pl.ds(pl.multiple_of((m * half + first + j) * c, c), c), :]
             g, dl = do_ref[b, h, ts, :], delta_ref[b, h, ts, :]
-            lam_i = lam_ref[b, h, ts, i][:, None]
+            lam_i = lam_ref[b, h, ts, col][:, None]
             X = dot(g, Z, tb=True)
-            dlam_ref[b, h, ts, i] = jnp.sum(ri.astype(acc) * X, axis=1)
+            dlam_ref[b, h, ts, col] = jnp.sum(ri.astype(acc) * X, axis=1)
             delta_ref[b, h, ts, :] = (dot(dl, Pi, tb=True) + lam_i * X).astype(delta_ref.dtype)
             return (sums[0] + dot(ri, dl, ta=True),
                     sums[1] + dot((lam_i * ri).astype(r.dtype), g, ta=True))

@@ -10,10 +10,14 @@ the chunk's end, ``Γ[τ,σ] = ρ_τ/ρ_σ`` for ``τ ≥ σ``), the UT transfor
 Hopper's tensor cores: ``kernels.gdn_blocks.terms``).
 
 Inputs stay in the caller's layout, ``q, k, w [B,Tp,H,d]``, ``u [B,Tp,H,dv]`` (``dv`` a
-multiple of 64, taken 128 or 64 columns at a time), ``t [B,H,Tp,c]`` and ``b [B,H,Tp]`` float32;
+multiple of 64, taken 128 or 64 columns at a time), the inverse ``X [B,H,Tp,c]`` (``T = X diag(β)``),
+``β`` and ``b [B,H,Tp]`` float32;
 ``M [B,H,Tp,c]`` float32, ``Q̂ [B,H,Tp,d]``, ``A_c [B,H,N,d,d]``, ``Z [B,H,N,d,dv]`` in ``q``'s
 dtype.  Products with ``P``, ``T`` or ``K̃`` take float32 operands (TF32 for 16-bit inputs),
-as XLA's path does under ``common.matmul_precision``; ``Q Kᵀ`` takes the inputs' dtype.
+as XLA's path does under ``common.matmul_precision``; ``Q Kᵀ`` and ``Z = Kᵀ((ρ_c/ρ)∘U)`` take
+the inputs' dtype (``(ρ_c/ρ)∘U`` rounded to it, as the first-order walk's state step rounds
+``γ̄∘V'``; ``A_c`` keeps ``K̃`` in float32: ``ρ_c I − K̃ᵀW`` removes a key direction only
+when ``K̃`` matches ``W``'s keys, ``loglinear_gdn_chunk.walk_forward``).
 """
 
 from __future__ import annotations
@@ -51,22 +55,23 @@ def _eye(d):
 
 
 @functools.partial(jax.jit, static_argnames=("c", "num_warps", "interpret"))
-def forward(q, k, w, u, t, b, *, c=64, num_warps=4, interpret=False):
+def forward(q, k, w, u, x, beta, b, *, c=64, num_warps=4, interpret=False):
     """``(M, Q̂, A_c, Z)`` of every chunk (module docstring)."""
-    def kernel(q_ref, k_ref, w_ref, u_ref, t_ref, b_ref, m_ref, qh_ref, a_ref, z_ref):
+    def kernel(q_ref, k_ref, w_ref, u_ref, x_ref, beta_ref, b_ref, m_ref, qh_ref, a_ref, z_ref):
         i, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         ts = pl.ds(pl.multiple_of(n * c, c), c)
         Q, K, W = q_ref[i, ts, h, :], k_ref[i, ts, h, :], w_ref[i, ts, h, :]
         rho, rho_c, e, Gam, _ = decays(b_ref[i, h, ts])
         P, Kt = dot(Q, K, tb=True) * Gam, e[:, None] * K.astype(F32)
         fast = K.dtype == jnp.bfloat16
-        m_ref[i, h, ts, :] = tri_dot(P, t_ref[i, h, ts, :], fast)
+        m_ref[i, h, ts, :] = tri_dot(P, x_ref[i, h, ts, :] * beta_ref[i, h, ts][None, :], fast)
         qh_ref[i, h, ts, :] = (rho[:, None] * Q.astype(F32) - tri_dot(P, W, fast)).astype(qh_ref.dtype)
         A = jnp.where(_eye(K.shape[1]), rho_c, 0.0) - tri_dot(Kt, W, fast, ta=True)
         a_ref[i, h, n, :, :] = A.astype(a_ref.dtype)
 
         def z_tile(cols, carry):
-            z_ref[i, h, n, :, cols] = tri_dot(Kt, u_ref[i, ts, h, cols], fast, ta=True).astype(z_ref.dtype)
+            eU = (e[:, None] * u_ref[i, ts, h, cols].astype(F32)).astype(K.dtype)
+            z_ref[i, h, n, :, cols] = dot(K, eU, ta=True).astype(z_ref.dtype)
             return carry
 
         _over_value_tiles(u.shape[-1], z_tile, 0)
@@ -76,4 +81,4 @@ def forward(q, k, w, u, t, b, *, c=64, num_warps=4, interpret=False):
     out_shape = [jax.ShapeDtypeStruct((B, H, Tp, c), F32), jax.ShapeDtypeStruct((B, H, Tp, d), dt),
                  jax.ShapeDtypeStruct((B, H, N, d, d), dt),
                  jax.ShapeDtypeStruct((B, H, N, d, u.shape[-1]), dt)]
-    return _call(kernel, out_shape, c, num_warps, interpret, q, k, w, u, t, b)
+    return _call(kernel, out_shape, c, num_warps, interpret, q, k, w, u, x, beta, b)
