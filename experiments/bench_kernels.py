@@ -42,7 +42,10 @@ bf16, ``--shape H,d,dv`` (default 16,128,128), B·T = ``--tokens``; q and k L2-n
 and head (the HLA chains' sums grow with their order), per-token log-decays ``g`` in (−0.1, 0].
 Forward and forward+backward (gradient of ``sum(o·w)`` w.r.t. q, k, v, g, β, λ; before
 2026-12-01 w.r.t. q, k, v only) median wall times (ms) over
-``--repeats`` runs after a warm-up, next to a bf16 ``--matmul_n``³ matmul timed in the same run.
+``--repeats`` runs after a warm-up, next to a bf16 ``--matmul_n``³ matmul timed in the same run;
+with ``--rounds R`` the methods of each input set are timed ``R`` times, interleaved (one pass
+over the methods a round, after all have compiled), and each keeps its rounds and their median
+(a single pass can decide a target at its edge: the machine's speed drifts between passes).
 Writes ``<out>/<name>.json`` and ``.md``: one row per method, then the targets, each met or missed.
 """
 
@@ -127,6 +130,8 @@ def micro_args(p, name: str):
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--shape", default="16,128,128", help="H,d,dv")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each input set's methods this many times, interleaved; the median round")
     p.add_argument("--name", default=name, help="results go to <out>/<name>.json")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
 
@@ -255,17 +260,35 @@ def methods(loglinear_kw=None):
 
 
 def measure(name, fn, args, B, T, repeats):
-    """One result row: forward and forward+backward median ms (or the error), and the pair's
-    wall time, compiles included."""
-    row = dict(method=name, T=T, B=B)
+    """``(row, timers)``: one result row, forward and forward+backward median ms (or the error),
+    and the pair's wall time, compiles included; ``timers`` the two compiled callables
+    (``None`` after an error), for ``more_rounds``."""
+    row, timers = dict(method=name, T=T, B=B), None
     t0 = time.perf_counter()
     try:
-        row["fwd_ms"] = timeit(jax.jit(fn), *args[:6], repeats=repeats)
-        row["fwd_bwd_ms"] = timeit(fwd_bwd(fn), *args, repeats=repeats)
+        timers = (jax.jit(fn), fwd_bwd(fn))
+        row["fwd_ms"] = timeit(timers[0], *args[:6], repeats=repeats)
+        row["fwd_bwd_ms"] = timeit(timers[1], *args, repeats=repeats)
     except Exception as e:  # record it, go on with the next pair
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        timers = None
     row["wall_s"] = time.perf_counter() - t0
-    return row
+    return row, timers
+
+
+def more_rounds(group, args, rounds: int, repeats: int):
+    """Time the ``(row, timers)`` pairs of one input set ``rounds − 1`` more times, the methods
+    interleaved round by round; each row keeps every round's medians (``fwd_ms_rounds``,
+    ``fwd_bwd_ms_rounds``) and takes their median as its time."""
+    for row, _ in group:
+        row["fwd_ms_rounds"], row["fwd_bwd_ms_rounds"] = [row["fwd_ms"]], [row["fwd_bwd_ms"]]
+    for _ in range(rounds - 1):
+        for row, (fwd, grad) in group:
+            row["fwd_ms_rounds"].append(timeit(fwd, *args[:6], repeats=repeats))
+            row["fwd_bwd_ms_rounds"].append(timeit(grad, *args, repeats=repeats))
+    for row, _ in group:
+        row["fwd_ms"], row["fwd_bwd_ms"] = (statistics.median(row[k + "_rounds"])
+                                            for k in ("fwd_ms", "fwd_bwd_ms"))
 
 
 def matmul_tflops(n=8192):
@@ -282,8 +305,8 @@ def tune(T, tokens, repeats, shape):
     args = inputs(B, T, shape)
     best = (float("inf"), {})
     for kw in LOGLINEAR_SETTINGS:
-        row = measure("loglinear_mamba2_pallas", methods(kw)["loglinear_mamba2_pallas"](), args, B, T,
-                      repeats)
+        row, _ = measure("loglinear_mamba2_pallas", methods(kw)["loglinear_mamba2_pallas"](), args,
+                         B, T, repeats)
         print(f"tune {kw}: {summary(row)}", flush=True)
         if "fwd_bwd_ms" in row:
             best = min(best, (row["fwd_bwd_ms"], kw), key=lambda x: x[0])
@@ -308,6 +331,8 @@ def main(argv=None):
     p.add_argument("--matmul_n", type=int, default=8192, help="size of the reference bf16 matmul")
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each input set's methods this many times, interleaved; the median round")
     p.add_argument("--tune", type=int, default=0,
                    help="first pick loglinear_mamba2_pallas's settings at this T")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated methods to run")
@@ -345,7 +370,15 @@ def main(argv=None):
     order = list(fns)
     pairs = sorted(((T, n) for T in Ts for n in order),
                    key=lambda x: (x[1] not in targeted, Ts.index(x[0]), order.index(x[1])))
-    t_start, current = time.perf_counter(), {}
+    t_start, current, group = time.perf_counter(), {}, []
+
+    def rounds():  # the current input set's further rounds
+        if a.rounds > 1 and group:
+            more_rounds(group, *current.values(), a.rounds, a.repeats)
+            print(f"after {a.rounds} rounds: " + "; ".join(summary(r) for r, _ in group), flush=True)
+            write(res, a.out, a.name)
+        group.clear()
+
     for i, (T, name) in enumerate(pairs):
         if a.budget and time.perf_counter() - t_start > a.budget:
             print(f"budget of {a.budget:.0f} s spent: {len(pairs) - i} (method, T) pairs not run: "
@@ -353,11 +386,15 @@ def main(argv=None):
             break
         B = max(SMALL_TOKENS.get(name, a.tokens) // T, 1)
         if (B, T) not in current:  # one input set on the device at a time
+            rounds()
             current = {(B, T): inputs(B, T, shape)}
-        row = measure(name, fns[name], current[(B, T)], B, T, a.repeats)
+        row, timers = measure(name, fns[name], current[(B, T)], B, T, a.repeats)
+        if timers:
+            group.append((row, timers))
         res["rows"].append(row)
         print(summary(row), flush=True)
         write(res, a.out, a.name)
+    rounds()
     write(res, a.out, a.name, show=True)
 
 

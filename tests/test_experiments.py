@@ -3,6 +3,7 @@
 
 import json
 import pathlib
+import statistics
 import sys
 
 import numpy as np
@@ -152,6 +153,21 @@ def test_bench_ops_times_several_forms_at_one_shape(tmp_path):
     assert {r["op"] for r in rows if "time_ratio_to_plain" in r} == {"loglinear_mamba2"}
     with pytest.raises(SystemExit):
         bench_ops.main(["--shape", "B=1,X=3", "--out", str(tmp_path)])
+
+
+def test_bench_kernels_interleaves_rounds(tmp_path):
+    """``--rounds 3``: each method of an input set keeps three rounds of medians, forward and
+    forward+backward, and its time is their median."""
+    from experiments import bench_kernels
+
+    bench_kernels.main(["--shape", "2,16,32", "--T", "64", "--tokens", "128", "--repeats", "1",
+                        "--rounds", "3", "--methods", "mamba2_pallas,mamba2_xla_chunked",
+                        "--out", str(tmp_path), "--name", "rounds", "--matmul_n", "256"])
+    rows = json.loads((tmp_path / "rounds.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["mamba2_pallas", "mamba2_xla_chunked"]
+    for r in rows:
+        for key in ("fwd_ms", "fwd_bwd_ms"):
+            assert len(r[key + "_rounds"]) == 3 and r[key] == statistics.median(r[key + "_rounds"])
 
 
 def test_bench_kernels_runs_a_tiny_shape(tmp_path, monkeypatch):
