@@ -87,7 +87,7 @@ def main(argv=None):
     for kind in ("solve", "doubling"):
         with inverse(kind):
             for name, fn in fns.items():
-                row = measure(name, fn, args, B, T, a.repeats)
+                row, _ = measure(name, fn, args, B, T, a.repeats)
                 res["rows"][f"{name}/{kind}"] = row
                 print(json.dumps(row), flush=True)
             out[kind] = {m: jax.jit(fns[m])(*args[:6]) for m in OPERATORS}
