@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from experiments.bench_kernels import inputs, micro_args, micro_size, micro_write, timeit  # noqa: E402
-from hla_jax.ops import common, fenwick, loglinear_chunked, loglinear_gdn_blocks  # noqa: E402
+from hla_jax.ops import common, fenwick, loglinear_gdn_blocks  # noqa: E402
 
 
 def timed(fn, *args, repeats=10):
@@ -57,9 +57,7 @@ def parts(args, terms: str, repeats: int) -> dict:
         row["output"] = timed(lambda M, V, Qh, A, Z, L: gdn_blocks.output(
             M.reshape(B, H, N * c, c), V, Qh, A, Z, L, lc), M, V, Qh, A_c, Z, Lam, repeats=repeats)
     else:
-        row["window"] = timed(lambda L, M, V: loglinear_chunked.window(
-            L.reshape(B, H, N, c, -1), M, jnp.moveaxis(V, 1, 2).reshape(B, H, N, c, -1),
-            fenwick.level_table(c)), Lam, M, V, repeats=repeats)
+        row["window"] = timed(loglinear_gdn_blocks.chunk_window, M, V, Lam, repeats=repeats)
         row["levels"] = timed(lambda Qh, A, Z, L: loglinear_gdn_blocks._levels(Qh, A, Z, L, lc, N),
                               Qh, A_c, Z, Lam, repeats=repeats)
     row["whole"] = timed(whole, *args, repeats=repeats)

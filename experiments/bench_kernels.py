@@ -130,8 +130,6 @@ def micro_args(p, name: str):
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--shape", default="16,128,128", help="H,d,dv")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=1,
-                   help="time each input set's methods this many times, interleaved; the median round")
     p.add_argument("--name", default=name, help="results go to <out>/<name>.json")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
 

@@ -216,20 +216,17 @@ def _output_inputs(rng, dtype, B=1, H=2, N=13, c=16, d=16, dv=32):
 
 def _output_of(kernel, c=16):
     """``kernels.gdn_blocks.output`` (the Triton interpreter), or XLA's window and levels
-    (``loglinear_chunked.window``, ``ops.loglinear_gdn_blocks._levels``), tokens first."""
+    (``ops.loglinear_gdn_blocks.chunk_window``, ``_levels``), tokens first."""
     from hla_jax.kernels import gdn_blocks
-    from hla_jax.ops import loglinear_chunked, loglinear_gdn_blocks
+    from hla_jax.ops import loglinear_gdn_blocks
 
     lc = fenwick.chunk_log2(c)
     if kernel:
         return lambda *a: gdn_blocks.output(*a, lc, interpret=True)
 
     def xla(m, v, qh, pi, z, lam):
-        B, H, Tp, _ = m.shape
-        chunk = lambda x: x.reshape(B, H, Tp // c, c, -1)                      # noqa: E731
-        out = loglinear_chunked.window(chunk(lam), chunk(m), chunk(jnp.moveaxis(v, 1, 2)),
-                                       fenwick.level_table(c)).reshape(B, H, Tp, -1)
-        return jnp.moveaxis(out + loglinear_gdn_blocks._levels(qh, pi, z, lam, lc, Tp // c), 1, 2)
+        out = loglinear_gdn_blocks.chunk_window(m, v, lam)
+        return jnp.moveaxis(out + loglinear_gdn_blocks._levels(qh, pi, z, lam, lc, m.shape[2] // c), 1, 2)
     return xla
 
 

@@ -33,7 +33,7 @@ from hla_jax.kernels import wrap
 from hla_jax.kernels.gpu import gdn_levels, gdn_sweep, gdn_terms, gdn_terms_mgpu, gdn_ut_mgpu
 from hla_jax.kernels.gpu.la_mgpu import F32, LOG2E, C
 from hla_jax.ops import fenwick
-from hla_jax.ops.loglinear_chunked import window
+from hla_jax.ops.loglinear_gdn_blocks import chunk_window
 
 
 def _t(x, beta):
@@ -118,15 +118,6 @@ def _num_levels(qh, lc):
     return fenwick.num_levels(qh.shape[2] >> lc) - 1
 
 
-def _window(m, v, lam):
-    """XLA's window ``(Λ ∘ M) V`` (``loglinear_chunked.window``) on ``output``'s layouts, heads
-    first ``[B,H,Tp,dv]``: the backward's."""
-    B, H, Tp, c = m.shape
-    chunk = lambda x: x.reshape(B, H, Tp // c, c, -1)                           # noqa: E731
-    out = window(chunk(lam), chunk(m), chunk(jnp.moveaxis(v, 1, 2)), fenwick.level_table(c))
-    return out.reshape(B, H, Tp, -1)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _output(m, v, qh, pi, z, lam, lc, interpret):
     """``o [B,Tp,H,dv]`` float32 (``output``, padded inputs)."""
@@ -148,7 +139,7 @@ def _output_bwd(lc, interpret, res, do):
     own), ``gdn_levels``."""
     m, v, qh, pi, z, nodes, r, lam = res
     do = jnp.moveaxis(do, 1, 2)
-    dm, dv, dlam = jax.vjp(_window, m, v, lam)[1](do)
+    dm, dv, dlam = jax.vjp(chunk_window, m, v, lam)[1](do)
     if not nodes:
         return dm, dv, jnp.zeros_like(qh), jnp.zeros_like(pi), jnp.zeros_like(z), dlam
     top_pi, top_z = nodes[-1]

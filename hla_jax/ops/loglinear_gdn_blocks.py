@@ -97,6 +97,16 @@ def _levels(Qh, Pi, Z, Lam, lc: int, N: int):
     return _read(Qh, _sweep(Pi, Z, P, dot), Lam[..., lc + 1:lc + 1 + P], Qh.shape[2] // N, dot)
 
 
+def chunk_window(M, V, Lam):
+    """The window ``(Λ ∘ M) V`` (``loglinear_chunked.window``) on ``chunk_parts``' layouts:
+    ``M [B,H,N,c,c]`` (or ``[B,H,N·c,c]``), ``V [B,N·c,H,dv]``, ``Lam [B,H,N·c,L]`` ->
+    ``[B,H,N·c,dv]``."""
+    B, H, Tp, c = Lam.shape[:3] + M.shape[-1:]
+    chunk = lambda x: x.reshape(B, H, Tp // c, c, -1)                           # noqa: E731
+    out = window(chunk(Lam), chunk(M), chunk(jnp.moveaxis(V, 1, 2)), fenwick.level_table(c))
+    return out.reshape(B, H, Tp, -1)
+
+
 def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     """Log-linear Gated DeltaNet ``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_sᵀ``
     in the block form (module docstring): ``q, k [B,T,H,d]`` (keys L2-normalised by the caller),
@@ -112,9 +122,7 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     if terms == "kernel":
         from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
         return gdn_blocks.output(M.reshape(B, H, N * c, c), V, Qh, A_c, Z, Lam, lc)[:, :q.shape[1]]
-    V = jnp.moveaxis(V, 1, 2).reshape(B, H, N, c, -1)
-    out = window(Lam.reshape(B, H, N, c, -1), M, V, fenwick.level_table(c)).reshape(B, H, N * c, -1)
-    out = out + _levels(Qh, A_c, Z, Lam, lc, N)
+    out = chunk_window(M, V, Lam) + _levels(Qh, A_c, Z, Lam, lc, N)
     return jnp.moveaxis(out, 1, 2)[:, :q.shape[1]]
 
 
