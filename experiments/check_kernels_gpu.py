@@ -17,6 +17,8 @@ Kernels (``CASES``), compiled, not interpreted:
 - ``gated_deltanet``: ``kernels.gated_deltanet_pallas`` from an initial state and returning the
   final state (reference: the float64 recurrence, ``ops.gated_deltanet(impl="recurrent")``), or,
   with packed documents, ``ops.gated_deltanet(impl="pallas")`` (reference: the quadratic one);
+  ``gated_deltanet_pieces``: the same with each sequence cut into ``GDN_PIECES`` pieces (``T``
+  padded to a multiple of ``64·GDN_PIECES``);
 - ``loglinear_mamba2``, ``loglinear_gated_deltanet``: ``kernels.<name>_pallas`` (with packed
   documents: ``ops.<name>(impl="pallas", segment_ids=...)`` against the reference with each
   document's own levels; from a state, ``state``: ``ops.<name>(impl="pallas",
@@ -78,7 +80,9 @@ BLOCKS = ("loglinear_mamba2_blocks", "loglinear_gated_deltanet_blocks")  # impl=
 BLOCKS_UT = "loglinear_gated_deltanet_blocks_ut"  # the GDN block form on its Triton kernels
 WITH_LAM = LOGLINEAR + BLOCKS + (BLOCKS_UT,)
 # keys L2-normalised, a β
-DELTA = ("gated_deltanet", "loglinear_gated_deltanet", "loglinear_gated_deltanet_blocks", BLOCKS_UT)
+GDN_PIECES = 4  # pieces per sequence of the "gated_deltanet_pieces" cases
+DELTA = ("gated_deltanet", "gated_deltanet_pieces", "loglinear_gated_deltanet",
+         "loglinear_gated_deltanet_blocks", BLOCKS_UT)
 WHEEL_GDN = "jla_gated_deltanet"  # the wheel's, checked beside ours (the last cases)
 RESETS = (64, 127, 500)  # positions of −∞ log-decays in a "reset" gate (chunk starts and ends)
 DOCS = (300, 1, 137, 64, 211)  # document lengths of a "docs" row, in turn
@@ -125,6 +129,8 @@ CASES = [
     Case("gated_deltanet", 2, 1000, 2, 128, 128, "token", False, "bfloat16"),  # the wheel beside
     *[Case(WHEEL_GDN, B, 1000, 2, 128, 128, gate, False, "bfloat16")  # it and case 39 (aligned)
       for B, gate in ((2, "token"), (1, "aligned"))],
+    *[Case("gated_deltanet_pieces", B, T, 2, 128, dv, gate, False, "bfloat16")
+      for B, T, dv, gate in ((1, 4100, 128, "reset"), (2, 1000, 192, "token"), (1, 1000, 128, "aligned"))],
 ]
 
 
@@ -168,7 +174,8 @@ def operands(rng, case):
     if case.gate == "state":
         args.append(jnp.asarray(rng.normal(size=(L, B, H, d, dv)) / np.sqrt(d), jnp.float32))
         names.append("h0")
-    if case.kernel in ("la_pallas", WHEEL_GDN) or (case.kernel == "gated_deltanet" and case.gate != "docs"):
+    if case.kernel in ("la_pallas", WHEEL_GDN, "gated_deltanet_pieces") or (
+            case.kernel == "gated_deltanet" and case.gate != "docs"):
         args.append(jnp.asarray(rng.normal(size=(B, H, d, dv)), jnp.float32))
         names.append("h0")
     return args, names
@@ -223,9 +230,10 @@ def kernel_fn(case):
     if case.kernel == "la_pallas":
         return lambda q, k, v, g, h0: kernels.la_pallas(q, k, v, g, initial_state=h0, return_final_state=True,
                                                         backend=case.backend)
-    if case.kernel == "gated_deltanet":
+    if case.kernel in ("gated_deltanet", "gated_deltanet_pieces"):
+        pieces = GDN_PIECES if case.kernel == "gated_deltanet_pieces" else 1
         return lambda q, k, v, g, beta, h0: kernels.gated_deltanet_pallas(
-            q, k, v, g, beta, initial_state=h0, return_final_state=True)
+            q, k, v, g, beta, initial_state=h0, return_final_state=True, pieces=pieces)
     if case.kernel == WHEEL_GDN:
         from jla.ops import linear_attention
         return lambda q, k, v, g, beta, h0: linear_attention(
@@ -257,7 +265,7 @@ def reference_fn(case):
         return lambda q, k, v, g: (reference.linear_attention(q, k, v, g),)
     if case.kernel == "la_pallas":
         return la_with_state
-    if case.kernel in ("gated_deltanet", WHEEL_GDN) and case.gate != "docs":
+    if case.kernel in ("gated_deltanet", "gated_deltanet_pieces", WHEEL_GDN) and case.gate != "docs":
         return lambda q, k, v, g, beta, h0: ops.gated_deltanet(
             q, k, v, g, beta, initial_state=h0, return_final_state=True, impl="recurrent")
     if case.kernel in HLA:

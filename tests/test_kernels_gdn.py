@@ -1,11 +1,11 @@
 """The first-order Gated DeltaNet kernel (``kernels/gdn.py`` over ``kernels/gpu/gdn_mgpu.py``) on
 this CPU: the Mosaic GPU kernels (UT transform and its backward, walks, products) in the GPU
 interpreter against the float32 recurrence (outputs, final state and every gradient: q, k, v, g, β, the
-initial state), with a ragged T, value tiles padded, a reset gate, packed documents through
-``ops.gated_deltanet(impl="pallas")``, the entry's refusals, the forward walk without its
-residuals, the lowering for CUDA, and the
-chunk-level pieces in float64 (the UT transform's backward, the walk's products) against
-autodiff."""
+initial state), with a ragged T, value tiles padded, a reset gate, sequences cut into pieces,
+packed documents through ``ops.gated_deltanet(impl="pallas")``, the entry's refusals, the walks
+without their residuals, the pieces' maps walk, the lowering for CUDA, and the
+chunk-level pieces in float64 (the UT transform's backward, the walk's products, the scans over
+sequence pieces) against autodiff and the recurrence."""
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +30,9 @@ def operands(rng, B, T, H, d, dv):
     return (*bf, g, beta, h0)
 
 
-def kernel(q, k, v, g, beta, h0, platform="gpu"):
+def kernel(q, k, v, g, beta, h0, platform="gpu", pieces=1):
     return gated_deltanet_pallas(q, k, v, g, beta, initial_state=h0, return_final_state=True,
-                                 platform=platform, interpret=True)
+                                 pieces=pieces, platform=platform, interpret=True)
 
 
 def oracle(q, k, v, g, beta, h0):
@@ -50,6 +50,16 @@ def test_matches_recurrence(rng, B, T, H, d, dv, case):
     check_against_recurrence(rng, B, T, H, d, dv, case, "gpu")
 
 
+@pytest.mark.parametrize("B,T,H,d,dv,case,pieces", [
+    (1, 300, 1, 64, 128, "plain", 3),   # 5 chunks padded to 6: 3 pieces of 2; maps walk 3 tiles
+    (2, 256, 1, 128, 64, "reset", 2),   # resets inside a piece and at the second one's start
+])
+def test_pieces_match_recurrence(rng, B, T, H, d, dv, case, pieces):
+    """Each sequence cut into pieces (the maps walk, the scans, the reverse walk without its
+    residuals): outputs, final state and all six gradients against the recurrence."""
+    check_against_recurrence(rng, B, T, H, d, dv, case, "gpu", pieces)
+
+
 @pytest.mark.parametrize("B,T,H,d,dv,case", [
     (1, 100, 1, 64, 160, "plain"),
     (2, 128, 1, 32, 64, "reset"),
@@ -60,7 +70,7 @@ def test_tpu_backend_matches_recurrence(rng, B, T, H, d, dv, case):
     check_against_recurrence(rng, B, T, H, d, dv, case, "tpu")
 
 
-def check_against_recurrence(rng, B, T, H, d, dv, case, platform):
+def check_against_recurrence(rng, B, T, H, d, dv, case, platform, pieces=1):
     """Outputs, final state and all six gradients of ``platform``'s kernels (interpret mode)
     against the float32 recurrence."""
     args = list(operands(rng, B, T, H, d, dv))
@@ -68,11 +78,11 @@ def check_against_recurrence(rng, B, T, H, d, dv, case, platform):
     if case == "float32":
         args[:3], tol = [x.astype(jnp.float32) for x in args[:3]], 2e-3   # SPEC §6
     if case == "reset":
-        args[3] = args[3].at[0, 40, 0].set(-jnp.inf).at[1, 64, 0].set(-jnp.inf)
+        args[3] = args[3].at[0, 40, 0].set(-jnp.inf).at[1, T // 2, 0].set(-jnp.inf)
     if case == "aligned":
         args[1] = jnp.asarray(keys_around_one_direction(rng, (B, T, H, d), 0.1), jnp.bfloat16)
         args[3], args[4] = args[3] * 0.01, jnp.full_like(args[4], 0.95)
-    run = lambda *a: kernel(*a, platform=platform)  # noqa: E731
+    run = lambda *a: kernel(*a, platform=platform, pieces=pieces)  # noqa: E731
     for a, b, what in zip(run(*args), oracle(*args), ("o", "H_T")):
         assert_close(a, b, tol, what)
     wo = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.float32)
@@ -141,6 +151,9 @@ def test_entry_refuses_what_the_kernel_does_not_take(rng):
         gated_deltanet_pallas(q, k, v, g, beta, platform="cpu")
     with pytest.raises(ValueError, match="float32 q, k, v of one dtype"):
         gated_deltanet_pallas(q, k, v.astype(jnp.float32), g, beta, platform="tpu")
+    for pieces, platform in ((0, "gpu"), ("2", "gpu"), (True, "gpu"), (2, "tpu")):
+        with pytest.raises(ValueError, match="pieces must be None or an int >= 1"):
+            gated_deltanet_pallas(q, k, v, g, beta, pieces=pieces, platform=platform)
     assert not gdn.supports(q, k, v, 64)   # no Hopper GPU here: impl="auto" stays chunked
 
 
@@ -166,6 +179,14 @@ def test_lowers_for_cuda():
         text = lower_for("cuda", lambda *a: gdn.core(*a, False), x, x, v, s, s, h0)   # no residuals
         assert text.count("gdn_ut_fwd_mosaic_gpu") == text.count("gdn_walk_out_mosaic_gpu") == 1
 
+        def split_loss(*a):   # two pieces a sequence: the maps walk, a reverse walk from zero
+            o, hT = gdn.core(*a, False, "gpu", 2)
+            return jnp.sum(o) + jnp.sum(hT)
+
+        text = lower_for("cuda", jax.grad(split_loss, argnums=range(6)), x, x, v, s, s, h0)
+        assert text.count("gdn_walk_maps_mosaic_gpu") == 1
+        assert text.count("gdn_walk_rev_mosaic_gpu") == 2
+
 
 def test_forward_walk_without_residuals(rng):
     """The warp-specialized forward walk (``gdn_mgpu.walk``, GPU interpreter) without ``keep``
@@ -185,6 +206,70 @@ def test_forward_walk_without_residuals(rng):
     np.testing.assert_array_equal(o1, o)
     np.testing.assert_array_equal(final1, final)
     np.testing.assert_array_equal(s[:, :, 0], s0.astype(jnp.bfloat16))
+
+
+def test_maps_walk_is_the_forward_walk_on_identity_and_values(rng):
+    """``gdn_mgpu.walk(mode="maps")`` (GPU interpreter) gives the final states the forward walk
+    gives over the values ``[0 | U]`` from ``[I | 0]``, its chain step for step: ``[Mᵀ; Eᵀ]``;
+    the reverse walk without ``keep`` the cotangent it gives with it, and nothing else."""
+    from hla_jax.kernels.gpu import gdn_mgpu
+
+    B, Tp, H, d, dv = 2, 192, 1, 128, 64
+    q, k, w = (jnp.asarray(0.3 * rng.normal(size=(B, Tp, H, d)), jnp.bfloat16) for _ in range(3))
+    u = jnp.asarray(rng.normal(size=(B, Tp, H, dv)), jnp.bfloat16)
+    b2 = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.2, (B, H, Tp // 64, 64)), jnp.float32), -1)
+    b2 = b2.reshape(B, H, Tp)
+    maps = gdn_mgpu.walk(b2, None, (k, w, u), mode="maps", interpret=True)
+    s0 = jnp.broadcast_to(jnp.concatenate([jnp.eye(d), jnp.zeros((dv, d))]), (B, H, d + dv, d))
+    u0 = jnp.concatenate([jnp.zeros((B, Tp, H, d), u.dtype), u], -1)
+    final = gdn_mgpu.walk(b2, s0, (q, k, w, u0), mode="out", keep=False, interpret=True)[-1]
+    assert maps.shape == (B, H, d + dv, d) and maps.dtype == jnp.float32
+    np.testing.assert_array_equal(maps, final)
+    do = jnp.asarray(rng.normal(size=(B, Tp, H, dv)), jnp.bfloat16)
+    ds0 = jnp.asarray(rng.normal(size=(B, H, dv, d)), jnp.float32)
+    rev = lambda keep: gdn_mgpu.walk(b2, ds0, (q, k, w, do), mode="rev", keep=keep,  # noqa: E731
+                                     interpret=True)
+    (ndv, _, dh0), (ndv1, ds1, dh01) = rev(True), rev(False)
+    assert ndv1 is None and ds1 is None and ndv.shape == do.shape
+    np.testing.assert_array_equal(dh01, dh0)
+
+
+def test_piece_scans_give_the_states_and_cotangents_between_pieces(rng):
+    """``gdn._scan`` in float64 on maps from the recurrence (``M``: the state after a piece from
+    ``I`` with zero values, ``E`` from zero; the own share: the gradient of a piece's outputs'
+    loss at its start): the forward scan gives the recurrence's state where each piece starts,
+    the reverse one the gradient of the whole loss at the state each piece leaves with (1e-12)."""
+    B, H, d, dv, L, P = 1, 2, 4, 3, 5, 3
+    with jax.enable_x64(True):
+        x = lambda *s: jnp.asarray(rng.normal(size=s))  # noqa: E731
+        q, k, v = x(B, P * L, H, d), x(B, P * L, H, d), x(B, P * L, H, dv)
+        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+        g = -jnp.asarray(rng.uniform(0, 0.5, (B, P * L, H)))
+        beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, P * L, H)))
+        h0, wo, wh = x(B, H, d, dv), x(B, P * L, H, dv), x(B, H, d, dv)
+
+        def run(lo, hi, s, values=None):
+            r = slice(lo, hi)
+            return ops.gated_deltanet(q[:, r], k[:, r], v[:, r] if values is None else values, g[:, r],
+                                      beta[:, r], initial_state=s, return_final_state=True,
+                                      impl="recurrent")
+
+        def tail(s, lo):    # the loss of the tokens from lo on, from the state s there
+            o, hT = run(lo, P * L, s)
+            return jnp.sum(o * wo[:, lo:]) + jnp.sum(hT * wh)
+
+        eye = jnp.broadcast_to(jnp.eye(d), (B, H, d, d))
+        m = jnp.stack([run(p * L, p * L + L, eye, jnp.zeros((B, L, H, d)))[1] for p in range(P)], 1)
+        e = jnp.stack([run(p * L, p * L + L, 0 * h0)[1] for p in range(P)], 1)
+        own = jnp.stack([jax.grad(lambda s, p=p: jnp.sum(run(p * L, p * L + L, s)[0]
+                                                          * wo[:, p * L:p * L + L]))(h0)
+                         for p in range(P)], 1)
+        starts = gdn._scan(m, e, h0, reverse=False).reshape(B, P, H, d, dv)
+        ends = gdn._scan(m, own, wh, reverse=True).reshape(B, P, H, d, dv)
+        for p in range(P):
+            assert_close(starts[:, p], run(0, p * L, h0)[1] if p else h0, 1e-12, "start")
+            want = wh if p == P - 1 else jax.grad(tail)(run(0, p * L + L, h0)[1], p * L + L)
+            assert_close(ends[:, p], want, 1e-12, "end")
 
 
 def test_tpu_backend_lowers_through_mosaic():

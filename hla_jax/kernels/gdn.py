@@ -15,7 +15,19 @@ The backward, from ``W``, ``V'``, those states and the inverse ``X`` kept by the
 ``[B,H,T,64]`` float32), is one reverse walk (``dV'`` and the cotangent of the state leaving
 each chunk), then chunk-parallel again: the walk's products (``dQ``, ``dK``'s walk part,
 ``dW``; ``kernels/gpu/gdn_grads_mgpu.py``) and the UT transform's backward
-(``kernels/gpu/gdn_ut_mgpu.py``, from ``−dV'`` in 16 bits), both Mosaic GPU.  The TPU backend
+(``kernels/gpu/gdn_ut_mgpu.py``, from ``−dV'`` in 16 bits), both Mosaic GPU.
+
+A few long sequences leave most walk CTAs' SMs idle (one CTA per batch, head and 64 value
+columns walks all ``T/64`` chunks in order), so on a GPU a sequence can be cut into ``P``
+consecutive pieces (``pieces``) that walk in parallel from their true states.  Each piece maps
+the state it starts from affinely, ``S_end = M S_start + E`` (``M: d×d``, the delta rule's
+transition is a matrix): one extra walk per piece over the values ``[0 | U]`` from ``[I | 0]``
+(``walk_maps``, state only) gives ``[M | E]``, the scan ``S_{p+1} = M_p S_p + E_p`` over the
+pieces (float32) their starts, and the forward walks the pieces from those.  The backward does the
+same in reverse: a reverse walk per piece from a zero cotangent (writing nothing else) gives its
+own share ``E'_p`` of ``∂L/∂S_p``, the scan ``G_{p−1} = M_pᵀ G_p + E'_p`` the cotangent each piece
+leaves with, and everything after runs on the pieces' rows as on whole sequences.  The split is
+exact.  The TPU backend
 (``kernels/tpu/gdn.py``, Mosaic; the same five steps on the same chunk math, ``gdn_chunk``) keeps
 its states ``[B,H,T/64,d,dv]`` in the inputs' dtype.
 
@@ -58,12 +70,13 @@ def _local(g):
     return wrap.chunk_log_decay(g, C)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def core(q, k, v, beta, g, h0, interpret=False, platform="gpu"):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def core(q, k, v, beta, g, h0, interpret=False, platform="gpu", pieces=1):
     """``(O [B,Tp,H,dv], H_T [B,H,d,dv])`` float32 on padded inputs: ``g [B,Tp,H]`` floored
     log-decays, ``beta [B,Tp,H]``, ``h0 [B,H,d,dv]`` float32; the steps of ``platform``'s
-    backend (``kernels/{gpu,tpu}/gdn.py``)."""
-    return _forward(q, k, v, beta, g, h0, interpret, platform, keep=False)[:2]
+    backend (``kernels/{gpu,tpu}/gdn.py``), each sequence cut into ``pieces`` (``Tp/64`` a
+    multiple of it; module docstring)."""
+    return _forward(q, k, v, beta, g, h0, interpret, platform, pieces, keep=False)[:2]
 
 
 def _heads_first(x):
@@ -71,31 +84,71 @@ def _heads_first(x):
     return jnp.swapaxes(x, 1, 2).astype(F32)
 
 
-def _forward(q, k, v, beta, g, h0, interpret, platform, keep=True):
-    """``(O, H_T, V', S, W, X)``: the walk's outputs, and ``V'``, the states entering the chunks,
-    ``W`` and the UT transform's inverse ``X`` for the backward (``keep``: a backend may skip
-    writing ``V', S, X`` without it)."""
-    steps, b = wrap.backend_module(platform, "gdn"), _local(g)
+def _split(x, P):
+    """``[B,Tp,...] -> [B·P,Tp/P,...]``: the pieces of a sequence are consecutive rows."""
+    return x.reshape((x.shape[0] * P, x.shape[1] // P) + x.shape[2:])
+
+
+def _merge(x, P):
+    """``_split``'s inverse."""
+    return x.reshape((x.shape[0] // P, x.shape[1] * P) + x.shape[2:])
+
+
+def _forward(q, k, v, beta, g, h0, interpret, platform, P, keep=True):
+    """``(O, H_T, V', S, W, X, M)``: the walk's outputs, and ``V'``, the states entering the
+    chunks, ``W``, the UT transform's inverse ``X`` and the pieces' transitions ``M`` for the
+    backward (``keep``: a backend may skip writing ``V', S, X`` without it); all but ``O, H_T`` on
+    the pieces' rows."""
+    steps = wrap.backend_module(platform, "gdn")
+    q, k, v, beta, g = (_split(x, P) for x in (q, k, v, beta, g))
+    b = _local(g)
     w, u, x = steps.ut_forward(k, v, b, _heads_first(beta), keep=keep, interpret=interpret)
-    o, hT, vn, s = steps.walk_out(q, k, w, u, b, h0, keep=keep, interpret=interpret)
-    return o, hT, vn, s, w, x
+    starts, m = h0, None
+    if P > 1:
+        m, e = (y.reshape((-1, P) + y.shape[1:]) for y in steps.walk_maps(k, w, u, b, interpret=interpret))
+        starts = _scan(m, e, h0, reverse=False)
+    o, hT, vn, s = steps.walk_out(q, k, w, u, b, starts, keep=keep, interpret=interpret)
+    return _merge(o, P), hT[P - 1::P], vn, s, w, x, m
 
 
-def _core_fwd(q, k, v, beta, g, h0, interpret, platform):
-    o, hT, vn, s, w, x = _forward(q, k, v, beta, g, h0, interpret, platform)
-    return (o, hT), (q, k, v, beta, g, vn, s, w, x)
+def _scan(m, e, first, *, reverse):
+    """The state each piece starts from, ``S_0 = H0``, ``S_{p+1} = M_p S_p + E_p``, or in
+    reverse the cotangent each leaves with, ``G_{P−1} = dH_T``, ``G_{p−1} = M_pᵀ G_p + E_p``
+    (``E_p``: piece ``p``'s own share of ``∂L/∂S_p``); ``m [B,P,H,d,d]``, ``e [B,P,H,d,dv]``
+    -> ``[B·P,H,d,dv]`` float32."""
+    P = m.shape[1]
+    mul = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+    out, s = [None] * P, first
+    for p in (range(P - 1, -1, -1) if reverse else range(P)):
+        out[p] = s
+        s = (mul("bhji,bhjv->bhiv", m[:, p], s) if reverse else
+             mul("bhij,bhjv->bhiv", m[:, p], s)) + e[:, p]
+    return jnp.stack(out, 1).reshape((-1,) + first.shape[1:])
 
 
-def _core_bwd(interpret, platform, res, cts):
-    q, k, v, beta, g, vn, s, w, x = res
+def _core_fwd(q, k, v, beta, g, h0, interpret, platform, P):
+    o, hT, vn, s, w, x, m = _forward(q, k, v, beta, g, h0, interpret, platform, P)
+    return (o, hT), (q, k, v, beta, g, vn, s, w, x, m)
+
+
+def _core_bwd(interpret, platform, P, res, cts):
+    """The backward on the pieces' rows, each walked back from the cotangent it leaves with
+    (``_scan`` over the pieces' own shares, a reverse walk from zero without residuals)."""
+    q, k, v, beta, g, vn, s, w, x, m = res
     do, dhT = cts
-    steps, b, beta_h = wrap.backend_module(platform, "gdn"), _local(g), _heads_first(beta)
-    do = do.astype(q.dtype)
-    ndu, ds, dh0 = steps.walk_rev(q, k, w, do, b, dhT, interpret=interpret)
+    steps = wrap.backend_module(platform, "gdn")
+    q, k, v, beta, g, do = (_split(y, P) for y in (q, k, v, beta, g, do.astype(q.dtype)))
+    b, beta_h = _local(g), _heads_first(beta)
+    ends = dhT
+    if P > 1:
+        own = steps.walk_rev(q, k, w, do, b, jnp.zeros((q.shape[0],) + dhT.shape[1:], F32), keep=False,
+                             interpret=interpret)[2]
+        ends = _scan(m, own.reshape((-1, P) + own.shape[1:]), dhT, reverse=True)
+    ndu, ds, dh0 = steps.walk_rev(q, k, w, do, b, ends, interpret=interpret)
     dq, dk, dw, db_walk = steps.grads(q, k, vn, do, ndu, s, ds, b, interpret=interpret)
     dk, dv, dbeta, db_ut = steps.ut_backward(k, v, b, beta_h, x, dw, ndu, dk, interpret=interpret)
-    return (dq, dk, dv, jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype),
-            _gate_grad(db_walk + db_ut), dh0)
+    grads = (dq, dk, dv, jnp.swapaxes(dbeta, 1, 2).astype(beta.dtype), _gate_grad(db_walk + db_ut))
+    return (*(_merge(y, P) for y in grads), dh0[::P])
 
 
 def _gate_grad(db):
@@ -117,13 +170,16 @@ def supports(q, k, v, chunk_size: int) -> bool:
 
 
 def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_state=False,
-                          chunk_size=64, platform=None, interpret=None):
+                          chunk_size=64, pieces=1, platform=None, interpret=None):
     """Gated DeltaNet via the chunk kernels (module docstring) -> ``o [B,T,H,dv]`` float32, or
     ``(o, final_state [B,H,d,dv] float32)`` when ``return_final_state``.
 
     ``g``: log-decay ``[B,T,H]`` (or ``[H]``); ``beta [B,T,H]``; ``initial_state [B,H,d,dv]`` or
-    None (zeros); ``platform``: "gpu" | "tpu" | None (the default backend's: "tpu" on a TPU,
-    else "gpu"); ``interpret=None`` runs compiled on a GPU/TPU and in the interpreter on CPU.
+    None (zeros); ``pieces``: each sequence's walks cut into this many pieces (GPU only; ``T`` is
+    zero-padded to a multiple of ``64·pieces``), or None for ``la_mgpu.pieces``' choice (as many
+    as keep one walk CTA an SM; 1 on a TPU); ``platform``: "gpu" | "tpu" | None (the default
+    backend's: "tpu" on a TPU, else "gpu"); ``interpret=None`` runs compiled on a GPU/TPU and in
+    the interpreter on CPU.
     """
     name = "gated_deltanet_pallas"
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
@@ -146,11 +202,18 @@ def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_
     if initial_state is not None and jnp.shape(initial_state) != (B, H, d, dv):
         raise ValueError(f"{name}: initial_state must have shape [B,H,d,dv]={(B, H, d, dv)}, got "
                          f"{jnp.shape(initial_state)}")
+    if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1
+                               or (platform == "tpu" and pieces > 1)):
+        raise ValueError(f"{name}: pieces must be None or an int >= 1 (1 on platform='tpu', whose "
+                         f"walks run their grid in order), got {pieces!r}")
     interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
-    Tp, dvp = -(-T // C) * C, -(-dv // C) * C
+    dvp = -(-dv // C) * C
+    if pieces is None:
+        pieces = 1 if platform == "tpu" else la_mgpu.pieces(B, H, dvp, -(-T // C))
+    Tp = -(-T // (C * pieces)) * C * pieces
     per_token = lambda x: jnp.pad(x.astype(F32), ((0, 0), (0, Tp - T), (0, 0)))  # noqa: E731
     o, hT = core(wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, dvp), per_token(beta),
                  jnp.maximum(per_token(g), wrap.LOG_DECAY_FLOOR),
-                 wrap.pad_state(initial_state, B, H, d, dvp), interpret, platform)
+                 wrap.pad_state(initial_state, B, H, d, dvp), interpret, platform, pieces)
     o = o[:, :T, :, :dv]
     return (o, hT[..., :dv]) if return_final_state else o

@@ -8,13 +8,16 @@ float32; the rest backend-owned, passed between the steps):
 
     ut_forward(k, v, b, beta, keep)                 -> W, U, X
     walk_out(q, k, w, u, b, h0, keep)               -> O, H_T, V', S per chunk
-    walk_rev(q, k, w, dO, b, dH_T)                  -> −dV', dS per chunk, dH0
+    walk_rev(q, k, w, dO, b, dH_T, keep)            -> −dV', dS per chunk, dH0
     grads(q, k, V', dO, −dV', S, dS, b)             -> dQ, dK_walk, dW, ∂L/∂b (the walk's share)
     ut_backward(k, v, b, beta, X, dW, −dV', dK_walk) -> dK, dV, dβ, ∂L/∂b (the UT's share)
 
 (``dU = dV'``: the UT backward takes it negated and in 16 bits, as the products do.)  Without
-``keep`` (a forward no backward follows) ``X``, ``V'`` and ``S`` are ``None``: this backend does
-not write them.
+``keep`` (a forward no backward follows; a piece's own cotangent) ``X``, ``V'`` and ``S`` (``dV'``
+and ``dS``) are ``None``: this backend does not write them.  Only this backend cuts sequences into
+pieces (``kernels/gdn.py``), with one more step:
+
+    walk_maps(k, w, u, b)                           -> M [B,H,d,d], E [B,H,d,dv]: S_T = M H0 + E
 """
 
 from __future__ import annotations
@@ -39,10 +42,16 @@ def walk_out(q, k, w, u, b, h0, *, keep, interpret):
     return o, _t(sT), vn, s
 
 
-def walk_rev(q, k, w, do, b, dhT, *, interpret):
-    ndu, ds, dh0 = gdn_mgpu.walk(b * LOG2E, _t(dhT), (q, k, w, do), mode="rev",
+def walk_rev(q, k, w, do, b, dhT, *, keep=True, interpret):
+    ndu, ds, dh0 = gdn_mgpu.walk(b * LOG2E, _t(dhT), (q, k, w, do), mode="rev", keep=keep,
                                  interpret=interpret)
     return ndu, ds, _t(dh0)
+
+
+def walk_maps(k, w, u, b, *, interpret):
+    maps = gdn_mgpu.walk(b * LOG2E, None, (k, w, u), mode="maps", interpret=interpret)
+    d = k.shape[-1]
+    return _t(maps[..., :d, :]), _t(maps[..., d:, :])
 
 
 def grads(q, k, vn, do, ndu, s, ds, b, *, interpret):

@@ -19,8 +19,13 @@ and ``−dV'`` in 16 bits (``dU = dV'``: the operand of the products and of the 
 Each walk is one CTA per (batch, head, 64 value columns) with the transposed state
 ``Sᵀ: [64, d]`` float32 in registers and the next chunks' tiles double-buffered by TMA.  The
 forward's CTA is warp-specialized (``_walk_out``: the state's chain, the outputs, the loads in
-three warpgroups), the reverse one warpgroup as in ``la_mgpu``.  No sequence is cut into pieces
-(the transition is a matrix: ``la_mgpu.pieces`` needs a scalar one).
+three warpgroups), the reverse one warpgroup as in ``la_mgpu``.
+
+A sequence cut into pieces (``kernels/gdn.py``) needs each piece's map ``S_end = M S_start + E``
+(``M: d×d``, the transition is a matrix): the ``maps`` walk is the forward state's chain alone over
+the values ``[0 | U]`` from the state ``[I | 0]``, one warpgroup, so its final states are
+``[M | E]``; the reverse walk without ``keep`` (from a zero cotangent) gives each piece's own share
+of ``dS_start`` and writes nothing else.
 
 Inputs: ``q, k, w: [B,Tp,H,d]`` 16-bit with ``d ∈ {64, 128}``, ``u, dO: [B,Tp,H,dv]`` with
 ``dv`` a multiple of 64, ``Tp`` a multiple of 64, ``b2 [B,H,Tp]`` the local log2-decay (finite),
@@ -51,24 +56,27 @@ from hla_jax.kernels.gpu.la_mgpu import (
     store_state,
 )
 
-MODES = ("out", "rev")
+MODES = ("out", "rev", "maps")
 
 
 def walk(b2, s0, tiles, *, mode, keep=True, interpret=None):
     """One walk of ``mode`` (module docstring) over the chunks.
 
-    ``tiles``: ``q, k, w`` (key-width) and ``u`` = U (``out``) or ``dO`` (``rev``), value-width;
-    ``s0 [B,H,dv,d]`` the transposed state it starts from (``rev``: the final state's cotangent).
+    ``tiles``: ``q, k, w`` (key-width) and ``u`` = U (``out``) or ``dO`` (``rev``), value-width
+    (``maps``: ``k, w, u``); ``s0 [B,H,dv,d]`` the transposed state it starts from (``rev``: the
+    final state's cotangent; ``maps``: ``None``, it starts from ``[I | 0]``).
     Returns, with the state after the walk last:
     ``out``: ``O [B,Tp,H,dv]`` float32, ``V' [B,Tp,H,dv]`` 16-bit, ``Sᵀ`` entering each chunk;
     ``rev``: ``−dV' [B,Tp,H,dv]`` 16-bit, ``dSᵀ`` leaving each chunk (the per-chunk states
-    ``[B,H,N,dv,d]`` 16-bit).  ``out`` without ``keep``: ``V'`` and the states are ``None`` (not
-    written: only the backward reads them).
+    ``[B,H,N,dv,d]`` 16-bit); ``maps``: nothing but ``[Mᵀ; Eᵀ] [B,H,d+dv,d]``.  Without ``keep``
+    ``V'`` (``dV'``) and the states are ``None``, not written.
     """
     if mode not in MODES:
         raise ValueError(f"gdn_mgpu.walk: mode must be one of {MODES}, got {mode!r}")
+    if mode == "maps":
+        return _walk_maps(b2, *tiles, interpret=interpret)
     if mode == "rev":
-        return _walk_rev(b2, s0, *tiles, interpret=interpret)
+        return _walk_rev(b2, s0, *tiles, keep=keep, interpret=interpret)
     return _walk_out(b2, s0, *tiles, keep=keep, interpret=interpret)
 
 
@@ -202,7 +210,66 @@ def _walk_out(b2, s0, q, k, w, u, *, keep, interpret):
     return o, vn, s, final
 
 
-def _walk_rev(b2, s0, q, k, w, do, *, interpret):
+def _walk_maps(b2, k, w, u, *, interpret):
+    """The pieces' maps, one warpgroup per (row, head, 64 columns of ``[I | 0]`` then of
+    ``[0 | U]``): ``V' = U − W S`` (``U = 0`` on the identity's tiles, whose ``U`` tile is read and
+    zeroed) and ``Sᵀ ← ρ_c Sᵀ + (γ̄∘V')ᵀ K``, the forward walk's chain step for step."""
+    B, Tp, H, d = k.shape
+    dv, dt, N, ni = u.shape[-1], k.dtype, Tp // C, d // BV
+    _mm, _ = products(interpret)
+    s0 = jnp.concatenate([jnp.eye(d, dtype=F32), jnp.zeros((dv, d), F32)])[None, None]
+    scratch = dict(
+        x_s=[smem_tile((2, C, n), dt) for n in (d, d, BV)], b_c=plgpu.SMEM((2, C), F32),
+        s_pub=smem_tile((BV, d), dt), v16=smem_tile((C, BV), dt), s_io=plgpu.SMEM((BV, d), F32),
+        in_bar=plgpu.Barrier(num_arrivals=4, num_barriers=2), s_bar=plgpu.Barrier())
+
+    def body(b_ref, s0_ref, k_ref, w_ref, u_ref, final_ref, *, x_s, b_c, s_pub, v16, s_io,
+             in_bar, s_bar):
+        bi, hi, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        u_cols = pl.ds(jnp.maximum(iv - ni, 0) * BV, BV)
+        u_on = jnp.where(iv >= ni, 1.0, 0.0).astype(F32)
+
+        def issue(n, slot):
+            rows, bar = pl.ds(n * C, C), in_bar.at[slot]
+            for src, buf in zip((k_ref.at[bi, rows, hi], w_ref.at[bi, rows, hi],
+                                 u_ref.at[bi, rows, hi, u_cols]), x_s):
+                plgpu.copy_gmem_to_smem(src, buf.at[slot], bar)
+            plgpu.copy_gmem_to_smem(b_ref.at[bi, hi, rows], b_c.at[slot], bar)
+
+        issue(0, 0)
+        plgpu.copy_gmem_to_smem(s0_ref.at[0, 0, pl.ds(iv * BV, BV)], s_io, s_bar)
+        plgpu.barrier_wait(s_bar)
+
+        def step(n, s_t):
+            slot = lax.rem(n, 2)
+            k, w, u = (buf.at[slot] for buf in x_s)
+            plgpu.barrier_wait(in_bar.at[slot])
+
+            @pl.when(n + 1 < N)
+            def _prefetch():
+                plgpu.commit_smem()
+                issue(n + 1, 1 - slot)
+
+            b_last = b_c[slot, C - 1]
+            s_pub[...] = s_t.astype(dt)
+            plgpu.commit_smem()
+            vn = plgpu.load(u, layout=WGMMA).astype(F32) * u_on - _mm(w, s_pub.T, (C, BV))
+            v16[...] = vn.astype(dt)
+            plgpu.commit_smem()
+            vw = plgpu.load(v16.T, layout=WGMMA).astype(F32) * bcast_cols(
+                jnp.exp2(b_last - plgpu.load(b_c.at[slot], layout=COLS)), (BV, C))
+            return _mm(vw.astype(dt), k, (BV, d), init=s_t * jnp.exp2(b_last))
+
+        s_t = lax.fori_loop(0, N, step, plgpu.load(s_io, layout=WGMMA))
+        store_state(s_t, s_io, final_ref.at[bi, hi, pl.ds(iv * BV, BV)])
+
+    out_type = [jax.ShapeDtypeStruct((B, H, d + dv, d), F32)]
+    (maps,) = build(body, out_type, scratch, (B, H, ni + dv // BV), ("b", "h", "v"), interpret,
+                    "gdn_walk_maps")(b2, s0, k, w, u)
+    return maps
+
+
+def _walk_rev(b2, s0, q, k, w, do, *, keep, interpret):
     """The reverse walk, one warpgroup: per chunk ``dV'`` from the outgoing state's cotangent,
     then ``dSᵀ ← ρ_c dSᵀ + (ρ∘dO)ᵀ Q − dV'ᵀ W``."""
     B, Tp, H, d = k.shape
@@ -214,8 +281,9 @@ def _walk_rev(b2, s0, q, k, w, do, *, interpret):
         s_pub=smem_tile((BV, d), dt), v16=smem_tile((C, BV), dt), s_io=plgpu.SMEM((BV, d), F32),
         in_bar=plgpu.Barrier(num_arrivals=6, num_barriers=2), s_bar=plgpu.Barrier())
 
-    def body(b_ref, s0_ref, q_ref, k_ref, w_ref, do_ref, ndv_ref, ds_ref, final_ref, *,
+    def body(b_ref, s0_ref, q_ref, k_ref, w_ref, do_ref, *outs,
              x_s, b_c, b_r, s_pub, v16, s_io, in_bar, s_bar):
+        *kept, final_ref = outs
         bi, hi, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         cols = pl.ds(iv * BV, BV)
 
@@ -253,9 +321,11 @@ def _walk_rev(b2, s0, q, k, w, do, *, interpret):
             ndv = -_mm(pt.astype(dt), o, (C, BV), init=kds)                   # −dV'
             v16[...] = ndv.astype(dt)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(v16, ndv_ref.at[bi, rows, hi, cols], commit_group=False)
-            plgpu.copy_smem_to_gmem(s_pub, ds_ref.at[bi, hi, n, cols], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
+            if keep:
+                ndv_ref, ds_ref = kept
+                plgpu.copy_smem_to_gmem(v16, ndv_ref.at[bi, rows, hi, cols], commit_group=False)
+                plgpu.copy_smem_to_gmem(s_pub, ds_ref.at[bi, hi, n, cols], commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
             do_w = plgpu.load(o.T, layout=WGMMA).astype(F32) * bcast_cols(
                 jnp.exp2(b_col), (BV, C))
             s_t = _mm(do_w.astype(dt), q, (BV, d), init=s_t * jnp.exp2(b_last))
@@ -265,7 +335,9 @@ def _walk_rev(b2, s0, q, k, w, do, *, interpret):
         plgpu.wait_smem_to_gmem(0)
         store_state(s_t, s_io, final_ref.at[bi, hi, cols])
 
-    out_type = [jax.ShapeDtypeStruct(s, t) for s, t in (
-        ((B, Tp, H, dv), dt), ((B, H, N, dv, d), dt), ((B, H, dv, d), F32))]
-    return build(body, out_type, scratch, (B, H, dv // BV), ("b", "h", "v"), interpret,
-                 "gdn_walk_rev")(b2, s0, q, k, w, do)
+    kept = [((B, Tp, H, dv), dt), ((B, H, N, dv, d), dt)] * keep
+    out_type = [jax.ShapeDtypeStruct(s, t) for s, t in kept + [((B, H, dv, d), F32)]]
+    *kept, final = build(body, out_type, scratch, (B, H, dv // BV), ("b", "h", "v"), interpret,
+                         "gdn_walk_rev")(b2, s0, q, k, w, do)
+    ndv, ds = kept or (None, None)
+    return ndv, ds, final
