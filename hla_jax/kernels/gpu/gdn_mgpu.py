@@ -213,18 +213,20 @@ def _walk_out(b2, s0, q, k, w, u, *, keep, interpret):
 def _walk_maps(b2, k, w, u, *, interpret):
     """The pieces' maps, one warpgroup per (row, head, 64 columns of ``[I | 0]`` then of
     ``[0 | U]``): ``V' = U − W S`` (``U = 0`` on the identity's tiles, whose ``U`` tile is read and
-    zeroed) and ``Sᵀ ← ρ_c Sᵀ + (γ̄∘V')ᵀ K``, the forward walk's chain step for step."""
+    zeroed) and ``Sᵀ ← ρ_c Sᵀ + (γ̄∘V')ᵀ K``, the forward walk's chain step for step.  The float32
+    state is staged before and after the walk in the tiles' memory, so two CTAs fit an SM (about
+    105 KiB each): ``(d+dv)/64`` CTAs a row and head, twice the forward walk's."""
     B, Tp, H, d = k.shape
     dv, dt, N, ni = u.shape[-1], k.dtype, Tp // C, d // BV
     _mm, _ = products(interpret)
     s0 = jnp.concatenate([jnp.eye(d, dtype=F32), jnp.zeros((dv, d), F32)])[None, None]
     scratch = dict(
-        x_s=[smem_tile((2, C, n), dt) for n in (d, d, BV)], b_c=plgpu.SMEM((2, C), F32),
-        s_pub=smem_tile((BV, d), dt), v16=smem_tile((C, BV), dt), s_io=plgpu.SMEM((BV, d), F32),
+        io=plgpu.RefUnion([smem_tile((2, C, n), dt) for n in (d, d, BV)], plgpu.SMEM((BV, d), F32)),
+        b_c=plgpu.SMEM((2, C), F32), s_pub=smem_tile((BV, d), dt), v16=smem_tile((C, BV), dt),
         in_bar=plgpu.Barrier(num_arrivals=4, num_barriers=2), s_bar=plgpu.Barrier())
 
-    def body(b_ref, s0_ref, k_ref, w_ref, u_ref, final_ref, *, x_s, b_c, s_pub, v16, s_io,
-             in_bar, s_bar):
+    def body(b_ref, s0_ref, k_ref, w_ref, u_ref, final_ref, *, io, b_c, s_pub, v16, in_bar, s_bar):
+        x_s, s_io = io
         bi, hi, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         u_cols = pl.ds(jnp.maximum(iv - ni, 0) * BV, BV)
         u_on = jnp.where(iv >= ni, 1.0, 0.0).astype(F32)
@@ -236,9 +238,11 @@ def _walk_maps(b2, k, w, u, *, interpret):
                 plgpu.copy_gmem_to_smem(src, buf.at[slot], bar)
             plgpu.copy_gmem_to_smem(b_ref.at[bi, hi, rows], b_c.at[slot], bar)
 
-        issue(0, 0)
         plgpu.copy_gmem_to_smem(s0_ref.at[0, 0, pl.ds(iv * BV, BV)], s_io, s_bar)
         plgpu.barrier_wait(s_bar)
+        s_init = plgpu.load(s_io, layout=WGMMA)
+        plgpu.commit_smem()   # read before the tiles land where it was
+        issue(0, 0)
 
         def step(n, s_t):
             slot = lax.rem(n, 2)
@@ -260,7 +264,7 @@ def _walk_maps(b2, k, w, u, *, interpret):
                 jnp.exp2(b_last - plgpu.load(b_c.at[slot], layout=COLS)), (BV, C))
             return _mm(vw.astype(dt), k, (BV, d), init=s_t * jnp.exp2(b_last))
 
-        s_t = lax.fori_loop(0, N, step, plgpu.load(s_io, layout=WGMMA))
+        s_t = lax.fori_loop(0, N, step, s_init)
         store_state(s_t, s_io, final_ref.at[bi, hi, pl.ds(iv * BV, BV)])
 
     out_type = [jax.ShapeDtypeStruct((B, H, d + dv, d), F32)]
