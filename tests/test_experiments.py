@@ -247,15 +247,21 @@ def test_bench_gdn_blocks_parts_times_each_part(tmp_path):
 
 def test_bench_gdn_parts_times_each_step_in_the_interpreters(tmp_path):
     """The Gated DeltaNet parts benchmark on a tiny shape in Pallas' interpreters (the times mean
-    nothing on a CPU): the five steps, the core forward and backward, the record."""
+    nothing on a CPU): the five steps, the core forward and backward, the record; with each
+    sequence in two pieces, the maps walk and the reverse walk without residuals too."""
     from experiments import bench_gdn_parts
 
-    row = bench_gdn_parts.main(["--T", "128", "--tokens", "128", "--shape", "1,64,64",
-                                "--repeats", "1", "--interpret",
-                                "--out", str(tmp_path), "--name", "tiny"])
-    assert json.loads((tmp_path / "tiny.json").read_text()) == json.loads(json.dumps(row))
     timed = ("ut_fwd", "walk_out", "walk_rev", "grads", "ut_bwd", "fwd", "bwd", "gates")
-    assert all(row[name] > 0 for name in timed), row
+    for pieces in (1, 2):
+        row = bench_gdn_parts.main(["--T", "128", "--tokens", "128", "--shape", "1,64,64",
+                                    "--repeats", "1", "--interpret", "--pieces", str(pieces),
+                                    "--out", str(tmp_path), "--name", f"tiny{pieces}"])
+        assert json.loads((tmp_path / f"tiny{pieces}.json").read_text()) == json.loads(json.dumps(row))
+        more = ("walk_maps", "walk_rev_own") if pieces > 1 else ()
+        assert all(row[name] > 0 for name in timed + more) and row["pieces"] == pieces, row
+        assert pieces > 1 or "walk_maps" not in row
+    with pytest.raises(SystemExit):
+        bench_gdn_parts.main(["--T", "128", "--tokens", "128", "--pieces", "3", "--interpret"])
 
 
 def test_gdn_gate_error_records_each_length(tmp_path):
