@@ -202,10 +202,12 @@ def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_
     if initial_state is not None and jnp.shape(initial_state) != (B, H, d, dv):
         raise ValueError(f"{name}: initial_state must have shape [B,H,d,dv]={(B, H, d, dv)}, got "
                          f"{jnp.shape(initial_state)}")
-    if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1
+    if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool)
+                               or not 1 <= pieces <= max(1, -(-T // C))
                                or (platform == "tpu" and pieces > 1)):
-        raise ValueError(f"{name}: pieces must be None or an int >= 1 (1 on platform='tpu', whose "
-                         f"walks run their grid in order), got {pieces!r}")
+        raise ValueError(f"{name}: pieces must be None or an int from 1 to {max(1, -(-T // C))} "
+                         f"(T={T} in chunks of {C}; 1 on platform='tpu', whose walks run their grid "
+                         f"in order), got {pieces!r}")
     interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
     dvp = -(-dv // C) * C
     if pieces is None:
