@@ -47,6 +47,7 @@ from hla_jax.kernels.gpu.la_mgpu import (
     ROWS,
     WGMMA,
     C,
+    await_tiles,
     bcast_cols,
     bcast_rows,
     build,
@@ -247,13 +248,7 @@ def _walk_maps(b2, k, w, u, *, interpret):
         def step(n, s_t):
             slot = lax.rem(n, 2)
             k, w, u = (buf.at[slot] for buf in x_s)
-            plgpu.barrier_wait(in_bar.at[slot])
-
-            @pl.when(n + 1 < N)
-            def _prefetch():
-                plgpu.commit_smem()
-                issue(n + 1, 1 - slot)
-
+            await_tiles(in_bar, slot, n, N, issue)
             b_last = b_c[slot, C - 1]
             s_pub[...] = s_t.astype(dt)
             plgpu.commit_smem()
@@ -307,13 +302,7 @@ def _walk_rev(b2, s0, q, k, w, do, *, keep, interpret):
             slot, n = lax.rem(i, 2), N - 1 - i
             rows = pl.ds(n * C, C)
             q, k, w, o = (buf.at[slot] for buf in x_s)
-            plgpu.barrier_wait(in_bar.at[slot])
-
-            @pl.when(i + 1 < N)
-            def _prefetch():
-                plgpu.commit_smem()
-                issue(i + 1, 1 - slot)
-
+            await_tiles(in_bar, slot, i, N, issue)
             b_last = b_c[slot, C - 1]
             b_row = plgpu.load(b_r.at[slot], layout=ROWS)
             b_col = plgpu.load(b_c.at[slot], layout=COLS)

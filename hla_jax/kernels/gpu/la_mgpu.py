@@ -163,6 +163,17 @@ def store_state(s_t, s_io, dst):
     plgpu.wait_smem_to_gmem(0)
 
 
+def await_tiles(in_bar, slot, i, n, issue):
+    """Wait for step ``i``'s tiles (``slot = i % 2`` of the double buffer, ``in_bar``), then start
+    ``issue(i + 1, 1 − slot)`` if a step ``i + 1 < n`` follows."""
+    plgpu.barrier_wait(in_bar.at[slot])
+
+    @pl.when(i + 1 < n)
+    def _prefetch():
+        plgpu.commit_smem()   # the other slot's last reads are done
+        issue(i + 1, 1 - slot)
+
+
 def build(body, out_type, scratch, grid, names, interpret, name, **threads):
     """``plgpu.kernel`` named ``name``; ``threads``: ``num_threads``, ``thread_name`` of a
     warp-specialized kernel."""
@@ -256,13 +267,7 @@ def walk(key, val, b2, s0, extra=(), *, mode, reverse=False, interpret=None):
         def step(i, s_t):
             slot, n = lax.rem(i, 2), chunk(i)
             rows = pl.ds(n * C, C)
-            plgpu.barrier_wait(in_bar.at[slot])
-
-            @pl.when(i + 1 < N)
-            def _prefetch():
-                plgpu.commit_smem()
-                issue(i + 1, 1 - slot)
-
+            await_tiles(in_bar, slot, i, N, issue)
             b_last = b_c[slot, C - 1]
             b_col = plgpu.load(b_c.at[slot], layout=COLS)
             if outs:
