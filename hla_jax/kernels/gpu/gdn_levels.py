@@ -138,6 +138,7 @@ def _backward(r, pi, z, lam, do, delta, dlam, dpi2, dz2, *, i, lc, run, interpre
 
         def chunk(j, sums):
             ts = pl.ds(pl.multiple_of(((2 * m + 1) * half + first + j) * c, c), c)
+            # the query saved for chunk (2m+1)·half + first + j at _packed's index for it
             ri = r_ref[b, h, i, pl.ds(pl.multiple_of((m * half + first + j) * c, c), c), :]
             g, dl = do_ref[b, h, ts, :], delta_ref[b, h, ts, :]
             lam_i = lam_ref[b, h, ts, col][:, None]
