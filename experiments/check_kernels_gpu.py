@@ -80,10 +80,10 @@ BLOCKS = ("loglinear_mamba2_blocks", "loglinear_gated_deltanet_blocks")  # impl=
 BLOCKS_UT = "loglinear_gated_deltanet_blocks_ut"  # the GDN block form on its Triton kernels
 WITH_LAM = LOGLINEAR + BLOCKS + (BLOCKS_UT,)
 # keys L2-normalised, a β
-GDN_PIECES = 4  # pieces per sequence of the "gated_deltanet_pieces" cases
-DELTA = ("gated_deltanet", "gated_deltanet_pieces", "loglinear_gated_deltanet",
-         "loglinear_gated_deltanet_blocks", BLOCKS_UT)
-WHEEL_GDN = "jla_gated_deltanet"  # the wheel's, checked beside ours (the last cases)
+DELTA = ("gated_deltanet", "loglinear_gated_deltanet", "loglinear_gated_deltanet_blocks", BLOCKS_UT)
+WHEEL_GDN = "jla_gated_deltanet"  # the wheel's, checked beside ours (cases 51-52)
+GDN_PIECES = 4  # pieces per sequence of the "gated_deltanet_pieces" cases (the last ones)
+WITH_BETA = DELTA + (WHEEL_GDN, "gated_deltanet_pieces")
 RESETS = (64, 127, 500)  # positions of −∞ log-decays in a "reset" gate (chunk starts and ends)
 DOCS = (300, 1, 137, 64, 211)  # document lengths of a "docs" row, in turn
 STATE_T0 = (3000, 77)  # the rows' positions in a "state" case (3000: not aligned to 2^10)
@@ -151,7 +151,7 @@ def operands(rng, case):
     q, k = (rng.normal(size=(B, T, H, d)) / np.sqrt(d) for _ in range(2))
     if case.gate == "aligned":  # keys around one direction: the UT inverse's hard case
         k = rng.normal(size=d) + 0.1 * rng.normal(size=(B, T, H, d))
-    if case.kernel in DELTA + (WHEEL_GDN,):
+    if case.kernel in WITH_BETA:
         k = k / np.linalg.norm(k, axis=-1, keepdims=True)
     args = [jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(rng.normal(size=(B, T, H, dv)), dt)]
     names = ["q", "k", "v"]
@@ -163,7 +163,7 @@ def operands(rng, case):
             g[0][rng.random((T, H)) < 0.005] = -np.inf
         args.append(jnp.asarray(g, jnp.float32))
         names.append("g")
-    if case.kernel in DELTA + (WHEEL_GDN,):
+    if case.kernel in WITH_BETA:
         lo, hi = (0.9, 0.99) if case.gate == "aligned" else (0.1, 0.9)
         args.append(jnp.asarray(rng.uniform(lo, hi, (B, T, H)), jnp.float32))
         names.append("beta")
