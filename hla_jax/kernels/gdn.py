@@ -84,13 +84,8 @@ def _heads_first(x):
     return jnp.swapaxes(x, 1, 2).astype(F32)
 
 
-def _split(x, P):
-    """``[B,Tp,...] -> [B·P,Tp/P,...]``: the pieces of a sequence are consecutive rows."""
-    return x.reshape((x.shape[0] * P, x.shape[1] // P) + x.shape[2:])
-
-
 def _merge(x, P):
-    """``_split``'s inverse."""
+    """``la_mgpu.split_pieces``' inverse: ``[B·P,Tp/P,...] -> [B,Tp,...]``."""
     return x.reshape((x.shape[0] // P, x.shape[1] * P) + x.shape[2:])
 
 
@@ -100,7 +95,7 @@ def _forward(q, k, v, beta, g, h0, interpret, platform, P, keep=True):
     backward (``keep``: a backend may skip writing ``V', S, X`` without it); all but ``O, H_T`` on
     the pieces' rows."""
     steps = wrap.backend_module(platform, "gdn")
-    q, k, v, beta, g = (_split(x, P) for x in (q, k, v, beta, g))
+    q, k, v, beta, g = (la_mgpu.split_pieces(x, P) for x in (q, k, v, beta, g))
     b = _local(g)
     w, u, x = steps.ut_forward(k, v, b, _heads_first(beta), keep=keep, interpret=interpret)
     starts, m = h0, None
@@ -114,16 +109,11 @@ def _forward(q, k, v, beta, g, h0, interpret, platform, P, keep=True):
 def _scan(m, e, first, *, reverse):
     """The state each piece starts from, ``S_0 = H0``, ``S_{p+1} = M_p S_p + E_p``, or in
     reverse the cotangent each leaves with, ``G_{P−1} = dH_T``, ``G_{p−1} = M_pᵀ G_p + E_p``
-    (``E_p``: piece ``p``'s own share of ``∂L/∂S_p``); ``m [B,P,H,d,d]``, ``e [B,P,H,d,dv]``
-    -> ``[B·P,H,d,dv]`` float32."""
-    P = m.shape[1]
-    mul = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
-    out, s = [None] * P, first
-    for p in (range(P - 1, -1, -1) if reverse else range(P)):
-        out[p] = s
-        s = (mul("bhji,bhjv->bhiv", m[:, p], s) if reverse else
-             mul("bhij,bhjv->bhiv", m[:, p], s)) + e[:, p]
-    return jnp.stack(out, 1).reshape((-1,) + first.shape[1:])
+    (``E_p``: piece ``p``'s own share of ``∂L/∂S_p``; ``la_mgpu.piece_starts`` with a matrix
+    transition); ``m [B,P,H,d,d]``, ``e [B,P,H,d,dv]`` -> ``[B·P,H,d,dv]`` float32."""
+    spec = "bhji,bhjv->bhiv" if reverse else "bhij,bhjv->bhiv"
+    advance = lambda p, s: jnp.einsum(spec, m[:, p], s, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
+    return la_mgpu.piece_starts(e, first, advance, reverse).reshape((-1,) + first.shape[1:])
 
 
 def _core_fwd(q, k, v, beta, g, h0, interpret, platform, P):
@@ -137,7 +127,7 @@ def _core_bwd(interpret, platform, P, res, cts):
     q, k, v, beta, g, vn, s, w, x, m = res
     do, dhT = cts
     steps = wrap.backend_module(platform, "gdn")
-    q, k, v, beta, g, do = (_split(y, P) for y in (q, k, v, beta, g, do.astype(q.dtype)))
+    q, k, v, beta, g, do = (la_mgpu.split_pieces(y, P) for y in (q, k, v, beta, g, do.astype(q.dtype)))
     b, beta_h = _local(g), _heads_first(beta)
     ends = dhT
     if P > 1:

@@ -312,39 +312,46 @@ def pieces(B, H, dv, N) -> int:
     return P
 
 
+def split_pieces(x, P):
+    """A token tensor ``[B,Tp,...]`` -> ``[B·P,Tp/P,...]``: a sequence's pieces are consecutive
+    rows (a reshape)."""
+    return x.reshape((x.shape[0] * P, x.shape[1] // P) + x.shape[2:])
+
+
 def _split_gates(b2, P):
-    """``b2 [B,H,Tp]`` -> ``[B·P,H,Tp/P]``; a token tensor ``[B,Tp,...]`` is just reshaped to
-    ``[B·P,Tp/P,...]`` (pieces of a sequence are consecutive rows)."""
+    """``b2 [B,H,Tp]`` -> ``[B·P,H,Tp/P]`` (``split_pieces``' rows, heads first)."""
     B, H, Tp = b2.shape
     return jnp.transpose(b2.reshape(B, H, P, Tp // P), (0, 2, 1, 3)).reshape(B * P, H, Tp // P)
 
 
-def _starts(local, decay, first, reverse):
-    """The state each piece starts from: ``S_0 = first``, ``S_{p+1} = ρ_p S_p + E_p``
-    (``local = E [B,P,...]``, ``decay = ρ [B,P,H]``), or the same from the last piece back."""
+def piece_starts(local, first, advance, reverse):
+    """The state each piece starts from: ``S_0 = first``, ``S_{p+1} = advance(p, S_p) + E_p``
+    (``local = E [B,P,...]``; ``advance``: piece ``p``'s transition, ``ρ_p S`` here), or the same
+    from the last piece back -> ``[B,P,...]``."""
     order = range(local.shape[1] - 1, -1, -1) if reverse else range(local.shape[1])
     s, starts = first, {}
     for p in order:
         starts[p] = s
-        s = decay[:, p, :, None, None] * s + local[:, p]
+        s = advance(p, s) + local[:, p]
     return jnp.stack([starts[p] for p in range(local.shape[1])], 1)
 
 
 def _walk_pieces(key, val, b2, s0, extra, *, mode, reverse, interpret):
     """``walk`` on sequences cut into ``pieces``: a state-only walk per piece from zero, the
-    scan of ``_starts``, then the real walk per piece from its start; returns ``walk``'s
+    scan of ``piece_starts``, then the real walk per piece from its start; returns ``walk``'s
     readouts and the state after the whole sequence (in reverse: before it)."""
     B, Tp, H, d = key.shape
     P = pieces(B, H, val.shape[-1], Tp // C)
     run = functools.partial(walk, mode=mode, reverse=reverse, interpret=interpret)
     if P == 1:
         return run(key, val, b2, s0, extra)
-    tok = [x.reshape((B * P, Tp // P) + x.shape[2:]) for x in (key, val, *extra)]
+    tok = [split_pieces(x, P) for x in (key, val, *extra)]
     b2p = _split_gates(b2, P)
     (local,) = walk(tok[0], tok[1], b2p, jnp.zeros((B * P,) + s0.shape[1:], F32), mode="state",
                     reverse=reverse, interpret=interpret)
     decay = jnp.exp2(b2p[..., C - 1::C].sum(-1)).reshape(B, P, H)
-    starts = _starts(local.reshape((B, P) + s0.shape[1:]), decay, s0, reverse)
+    starts = piece_starts(local.reshape((B, P) + s0.shape[1:]), s0,
+                          lambda p, s: decay[:, p, :, None, None] * s, reverse)
     *res, finals = run(tok[0], tok[1], b2p, starts.reshape((B * P,) + s0.shape[1:]), tok[2:])
     finals = finals.reshape((B, P) + s0.shape[1:])[:, 0 if reverse else P - 1]
     def merge(x, per_token_sums):  # [nv, B·P, H, Tp/P], else tiles [(nv,) B·P, Tp/P, H, ·]
