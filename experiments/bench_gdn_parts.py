@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 from experiments.bench_kernels import Shape, inputs, micro_args, micro_size, micro_write  # noqa: E402
 from experiments.bench_kernels import timeit as _timeit  # noqa: E402
 from hla_jax.kernels import gdn, wrap  # noqa: E402
-from hla_jax.kernels.gpu import gdn_grads_mgpu, gdn_mgpu, gdn_ut_mgpu  # noqa: E402
+from hla_jax.kernels.gpu import gdn_grads_mgpu, gdn_mgpu, gdn_ut_mgpu, la_mgpu  # noqa: E402
 
 
 def steps(B: int, T: int, shape: Shape, interpret: bool = False, pieces: int = 1):
@@ -47,8 +47,8 @@ def steps(B: int, T: int, shape: Shape, interpret: bool = False, pieces: int = 1
     q, k, v, g, beta_t, _, w = inputs(B, T, shape)
     args = (q, k, v, beta_t.astype(jnp.float32), g,
             jnp.zeros((B, q.shape[2], q.shape[-1], v.shape[-1]), jnp.float32))
-    q, k, v, g, beta_t, w = (x.reshape((B * pieces, T // pieces) + x.shape[2:])
-                             for x in (q, k, v, g, beta_t, w))
+    do = w
+    q, k, v, g, beta_t, w = (la_mgpu.split_pieces(x, pieces) for x in (q, k, v, g, beta_t, w))
     beta = jnp.swapaxes(beta_t, 1, 2).astype(jnp.float32)
     b = wrap.chunk_log_decay(g, gdn_mgpu.C)
     b2 = b * math.log2(math.e)
@@ -72,7 +72,7 @@ def steps(B: int, T: int, shape: Shape, interpret: bool = False, pieces: int = 1
         parts["walk_rev_own"] = (jax.jit(lambda b2, *x: gdn_mgpu.walk(b2, h0, x, mode="rev", keep=False,
                                                                        interpret=interpret)),
                                  (b2, q, k, w16, w))
-    return parts, dict(args=args, do=w.reshape((B, T) + w.shape[2:]))
+    return parts, dict(args=args, do=do)
 
 
 def main(argv=None):

@@ -264,6 +264,7 @@ def test_piece_scans_give_the_states_and_cotangents_between_pieces(rng):
         own = jnp.stack([jax.grad(lambda s, p=p: jnp.sum(run(p * L, p * L + L, s)[0]
                                                           * wo[:, p * L:p * L + L]))(h0)
                          for p in range(P)], 1)
+        m, e, own = (y.reshape((B * P,) + y.shape[2:]) for y in (m, e, own))   # the pieces' rows
         starts = gdn._scan(m, e, h0, reverse=False).reshape(B, P, H, d, dv)
         ends = gdn._scan(m, own, wh, reverse=True).reshape(B, P, H, d, dv)
         for p in range(P):

@@ -100,7 +100,7 @@ def _forward(q, k, v, beta, g, h0, interpret, platform, P, keep=True):
     w, u, x = steps.ut_forward(k, v, b, _heads_first(beta), keep=keep, interpret=interpret)
     starts, m = h0, None
     if P > 1:
-        m, e = (y.reshape((-1, P) + y.shape[1:]) for y in steps.walk_maps(k, w, u, b, interpret=interpret))
+        m, e = steps.walk_maps(k, w, u, b, interpret=interpret)
         starts = _scan(m, e, h0, reverse=False)
     o, hT, vn, s = steps.walk_out(q, k, w, u, b, starts, keep=keep, interpret=interpret)
     return _merge(o, P), hT[P - 1::P], vn, s, w, x, m
@@ -110,7 +110,9 @@ def _scan(m, e, first, *, reverse):
     """The state each piece starts from, ``S_0 = H0``, ``S_{p+1} = M_p S_p + E_p``, or in
     reverse the cotangent each leaves with, ``G_{P−1} = dH_T``, ``G_{p−1} = M_pᵀ G_p + E_p``
     (``E_p``: piece ``p``'s own share of ``∂L/∂S_p``; ``la_mgpu.piece_starts`` with a matrix
-    transition); ``m [B,P,H,d,d]``, ``e [B,P,H,d,dv]`` -> ``[B·P,H,d,dv]`` float32."""
+    transition); ``m [B·P,H,d,d]``, ``e [B·P,H,d,dv]`` on the pieces' rows, ``first [B,H,d,dv]``
+    -> ``[B·P,H,d,dv]`` float32."""
+    m, e = (y.reshape((first.shape[0], -1) + y.shape[1:]) for y in (m, e))
     spec = "bhji,bhjv->bhiv" if reverse else "bhij,bhjv->bhiv"
     advance = lambda p, s: jnp.einsum(spec, m[:, p], s, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
     return la_mgpu.piece_starts(e, first, advance, reverse).reshape((-1,) + first.shape[1:])
@@ -133,7 +135,7 @@ def _core_bwd(interpret, platform, P, res, cts):
     if P > 1:
         own = steps.walk_rev(q, k, w, do, b, jnp.zeros((q.shape[0],) + dhT.shape[1:], F32), keep=False,
                              interpret=interpret)[2]
-        ends = _scan(m, own.reshape((-1, P) + own.shape[1:]), dhT, reverse=True)
+        ends = _scan(m, own, dhT, reverse=True)
     ndu, ds, dh0 = steps.walk_rev(q, k, w, do, b, ends, interpret=interpret)
     dq, dk, dw, db_walk = steps.grads(q, k, vn, do, ndu, s, ds, b, interpret=interpret)
     dk, dv, dbeta, db_ut = steps.ut_backward(k, v, b, beta_h, x, dw, ndu, dk, interpret=interpret)
@@ -192,16 +194,16 @@ def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_
     if initial_state is not None and jnp.shape(initial_state) != (B, H, d, dv):
         raise ValueError(f"{name}: initial_state must have shape [B,H,d,dv]={(B, H, d, dv)}, got "
                          f"{jnp.shape(initial_state)}")
+    N = max(1, -(-T // C))   # chunks
     if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool)
-                               or not 1 <= pieces <= max(1, -(-T // C))
-                               or (platform == "tpu" and pieces > 1)):
-        raise ValueError(f"{name}: pieces must be None or an int from 1 to {max(1, -(-T // C))} "
+                               or not 1 <= pieces <= N or (platform == "tpu" and pieces > 1)):
+        raise ValueError(f"{name}: pieces must be None or an int from 1 to {N} "
                          f"(T={T} in chunks of {C}; 1 on platform='tpu', whose walks run their grid "
                          f"in order), got {pieces!r}")
     interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
     dvp = -(-dv // C) * C
     if pieces is None:
-        pieces = 1 if platform == "tpu" else la_mgpu.pieces(B, H, dvp, -(-T // C))
+        pieces = 1 if platform == "tpu" else la_mgpu.pieces(B, H, dvp, N)
     Tp = -(-T // (C * pieces)) * C * pieces
     per_token = lambda x: jnp.pad(x.astype(F32), ((0, 0), (0, Tp - T), (0, 0)))  # noqa: E731
     o, hT = core(wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, dvp), per_token(beta),

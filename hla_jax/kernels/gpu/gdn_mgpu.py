@@ -81,6 +81,27 @@ def walk(b2, s0, tiles, *, mode, keep=True, interpret=None):
     return _walk_out(b2, s0, *tiles, keep=keep, interpret=interpret)
 
 
+def _publish(s_t, u, w, s_pub, v16, mm, u_scale=None):
+    """The forward chain's first half: ``Sᵀ`` (16-bit) and ``V' = U − W S`` published in shared
+    memory (``s_pub``, ``v16``) from the chunk's ``U`` and ``W`` tiles (``u_scale``: ``U``'s
+    factor)."""
+    s_pub[...] = s_t.astype(s_pub.dtype)
+    plgpu.commit_smem()
+    u = plgpu.load(u, layout=WGMMA).astype(F32)
+    vn = (u if u_scale is None else u * u_scale) - mm(w, s_pub.T, (C, BV))   # V' = U − W S
+    v16[...] = vn.astype(v16.dtype)
+    plgpu.commit_smem()
+
+
+def _advance(s_t, v16, k, b, slot, mm):
+    """The second: ``Sᵀ ← ρ_c Sᵀ + (γ̄∘V')ᵀ K`` from the published ``V'``, the chunk's ``K`` tile
+    and its local log2-decays ``b[slot]``."""
+    b_last = b[slot, C - 1]
+    vw = plgpu.load(v16.T, layout=WGMMA).astype(F32) * bcast_cols(
+        jnp.exp2(b_last - plgpu.load(b.at[slot], layout=COLS)), (BV, C))
+    return mm(vw.astype(v16.dtype), k, s_t.shape, init=s_t * jnp.exp2(b_last))
+
+
 def _walk_out(b2, s0, q, k, w, u, *, keep, interpret):
     """The forward walk, warp-specialized: one CTA per (batch, head, 64 value columns) runs three
     warpgroups over the chunks.  The state's (``state``) carries ``Sᵀ`` in registers and per chunk
@@ -152,22 +173,14 @@ def _walk_out(b2, s0, q, k, w, u, *, keep, interpret):
                     plgpu.barrier_wait(s_free)
 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # and they were stored
-                s_pub[...] = s_t.astype(dt)
-                plgpu.commit_smem()
-                vn = (plgpu.load(u_s.at[slot], layout=WGMMA).astype(F32)
-                      - _mm(w_s.at[slot], s_pub.T, (C, BV)))                  # V' = U − W S
-                v16[...] = vn.astype(dt)
-                plgpu.commit_smem()
+                _publish(s_t, u_s.at[slot], w_s.at[slot], s_pub, v16, _mm)
                 plgpu.barrier_arrive(s_ready)
                 if keep:
                     vn_ref, s_ref = kept
                     plgpu.copy_smem_to_gmem(v16, vn_ref.at[bi, rows, hi, cols], commit_group=False)
                     plgpu.copy_smem_to_gmem(s_pub, s_ref.at[bi, hi, n, cols], commit_group=False)
                     plgpu.commit_smem_to_gmem_group()
-                b_last = b_s[slot, C - 1]
-                vw = plgpu.load(v16.T, layout=WGMMA).astype(F32) * bcast_cols(
-                    jnp.exp2(b_last - plgpu.load(b_s.at[slot], layout=COLS)), (BV, C))
-                s_t = _mm(vw.astype(dt), k_s.at[slot], (BV, d), init=s_t * jnp.exp2(b_last))
+                s_t = _advance(s_t, v16, k_s.at[slot], b_s, slot, _mm)
                 plgpu.barrier_arrive(in_free.at[slot])
                 return s_t
 
@@ -249,15 +262,8 @@ def _walk_maps(b2, k, w, u, *, interpret):
             slot = lax.rem(n, 2)
             k, w, u = (buf.at[slot] for buf in x_s)
             await_tiles(in_bar, slot, n, N, issue)
-            b_last = b_c[slot, C - 1]
-            s_pub[...] = s_t.astype(dt)
-            plgpu.commit_smem()
-            vn = plgpu.load(u, layout=WGMMA).astype(F32) * u_on - _mm(w, s_pub.T, (C, BV))
-            v16[...] = vn.astype(dt)
-            plgpu.commit_smem()
-            vw = plgpu.load(v16.T, layout=WGMMA).astype(F32) * bcast_cols(
-                jnp.exp2(b_last - plgpu.load(b_c.at[slot], layout=COLS)), (BV, C))
-            return _mm(vw.astype(dt), k, (BV, d), init=s_t * jnp.exp2(b_last))
+            _publish(s_t, u, w, s_pub, v16, _mm, u_scale=u_on)
+            return _advance(s_t, v16, k, b_c, slot, _mm)
 
         s_t = lax.fori_loop(0, N, step, s_init)
         store_state(s_t, s_io, final_ref.at[bi, hi, pl.ds(iv * BV, BV)])
