@@ -13,8 +13,7 @@ Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
 - ``hla2_pallas``, ``ahla_pallas``, ``hla3_pallas``: ``ops.<op>(impl="pallas")``, the SPEC §7
   chains of two ``la_pallas`` calls;
 - ``gated_deltanet_pallas``: ``ops.gated_deltanet(impl="pallas")``, i.e.
-  ``hla_jax.kernels.gated_deltanet_pallas``; ``gated_deltanet_pallas_pieces``: the same with each
-  sequence cut into pieces (``pieces=None``: ``la_mgpu.pieces``' choice, 1 where B·H fill the GPU);
+  ``hla_jax.kernels.gated_deltanet_pallas`` (a few long rows cut into pieces, ``default_pieces``);
 - ``jla_simple_gla``, ``jla_gated_deltanet``: the wheel's Mosaic GPU kernels at ``scale=1`` (our
   operators do not scale q);
 - ``cudnn_causal``: ``jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")``;
@@ -98,7 +97,6 @@ TARGETS = [
     Target("cudnn_causal", "hla2_pallas", ">=", 3.0, 8192),
     Target("cudnn_causal", "hla2_pallas", ">=", 8.0, 32768),
     Target("gated_deltanet_pallas", "jla_gated_deltanet", "<=", 1.5),
-    Target("gated_deltanet_pallas_pieces", "jla_gated_deltanet", "<=", 1.5),
     Target("loglinear_mamba2_pallas", "mamba2_pallas", "<=", 3.0),
     Target("cudnn_causal", "loglinear_mamba2_pallas", ">=", 1.5, 8192),
     Target("loglinear_gdn_pallas", "gated_deltanet_pallas", "<=", 4.0),
@@ -238,8 +236,6 @@ def methods(loglinear_kw=None):
         "cudnn_causal": _ready(lambda q, k, v, g, beta, lam: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn")),
         "gated_deltanet_pallas": _gdn("pallas"),
-        "gated_deltanet_pallas_pieces": _ready(lambda q, k, v, g, beta, lam:
-                                               kernels.gated_deltanet_pallas(q, k, v, g, beta, pieces=None)),
         "mamba2_xla_chunked": _op("mamba2", "chunked"),
         "gated_deltanet_xla_chunked": _gdn("chunked"),
         **{f"{op}_xla_chunked": _op(op, "chunked") for op in HLA},

@@ -157,6 +157,14 @@ def test_entry_refuses_what_the_kernel_does_not_take(rng):
     assert not gdn.supports(q, k, v, 64)   # no Hopper GPU here: impl="auto" stays chunked
 
 
+def test_default_split_only_where_at_least_four_pieces_fit(monkeypatch):
+    """``pieces=None``: ``la_mgpu.pieces``' count where it reaches ``MIN_PIECES`` (4 at B=1,
+    H=16, T=65536 on the H200's 132 SMs), else 1 (2 at B=2, T=32768, slower there)."""
+    for P, want in ((1, 1), (2, 1), (4, 4), (8, 8)):
+        monkeypatch.setattr(gdn.la_mgpu, "pieces", lambda B, H, dv, N, P=P: P)
+        assert gdn.default_pieces(1, 16, 128, 1024) == want
+
+
 def test_lowers_for_cuda():
     """Forward and backward (all Mosaic GPU: the UT transform, run once, the two walks, the
     walk's products and the UT backward) go through the real lowering for head dims 64 and 128,

@@ -63,6 +63,7 @@ from hla_jax.ops.common import check_gate, check_per_token, check_qkv
 
 PLATFORMS = ("gpu", "tpu")
 TPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+MIN_PIECES = 4  # the default split's least count (``default_pieces``)
 
 
 def _local(g):
@@ -156,20 +157,31 @@ def _gate_grad(db):
 core.defvjp(_core_fwd, _core_bwd)
 
 
+def default_pieces(B, H, dv, N) -> int:
+    """``pieces=None`` on a GPU: ``la_mgpu.pieces``' count (one walk CTA an SM) where it is at
+    least ``MIN_PIECES``, else 1.  The split adds two walks a piece long (the maps walk, the
+    reverse walk of the own shares), so it pays only once the pieces are short: on the H200 at
+    H=16, d=dv=128 four pieces took B=1, T=65536 from 2.71 / 6.52 to 2.01 / 5.02 ms (forward /
+    forward+backward), two took B=2, T=32768 from 1.65 / 4.47 to 1.72 / 4.75
+    (``experiments/results/kernels_bench_gdn_pieces.md``)."""
+    P = la_mgpu.pieces(B, H, dv, N)
+    return P if P >= MIN_PIECES else 1
+
+
 def supports(q, k, v, chunk_size: int) -> bool:
     """Whether the kernel runs these inputs compiled here (``la_mgpu.supports``: a Hopper GPU)."""
     return la_mgpu.supports(q, k, v, chunk_size)
 
 
 def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_state=False,
-                          chunk_size=64, pieces=1, platform=None, interpret=None):
+                          chunk_size=64, pieces=None, platform=None, interpret=None):
     """Gated DeltaNet via the chunk kernels (module docstring) -> ``o [B,T,H,dv]`` float32, or
     ``(o, final_state [B,H,d,dv] float32)`` when ``return_final_state``.
 
     ``g``: log-decay ``[B,T,H]`` (or ``[H]``); ``beta [B,T,H]``; ``initial_state [B,H,d,dv]`` or
     None (zeros); ``pieces``: each sequence's walks cut into this many pieces (GPU only; ``T`` is
-    zero-padded to a multiple of ``64·pieces``), or None for ``la_mgpu.pieces``' choice (as many
-    as keep one walk CTA an SM; 1 on a TPU); ``platform``: "gpu" | "tpu" | None (the default
+    zero-padded to a multiple of ``64·pieces``), or None for ``default_pieces``' choice (1 unless
+    a few long rows leave most SMs idle; 1 on a TPU); ``platform``: "gpu" | "tpu" | None (the default
     backend's: "tpu" on a TPU, else "gpu"); ``interpret=None`` runs compiled on a GPU/TPU and in
     the interpreter on CPU.
     """
@@ -203,7 +215,7 @@ def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_
     interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
     dvp = -(-dv // C) * C
     if pieces is None:
-        pieces = 1 if platform == "tpu" else la_mgpu.pieces(B, H, dvp, N)
+        pieces = 1 if platform == "tpu" else default_pieces(B, H, dvp, N)
     Tp = -(-T // (C * pieces)) * C * pieces
     per_token = lambda x: jnp.pad(x.astype(F32), ((0, 0), (0, Tp - T), (0, 0)))  # noqa: E731
     o, hT = core(wrap.pad(q, Tp, d), wrap.pad(k, Tp, d), wrap.pad(v, Tp, dvp), per_token(beta),
