@@ -181,7 +181,9 @@ def test_chunk_terms_backward_kernel_is_the_vjp(rng, d, dv):
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     q, k, w, u = normal(B, Tp, H, d), normal(B, Tp, H, d), 0.3 * normal(B, Tp, H, d), normal(B, Tp, H, dv)
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    t = 0.1 * normal(B, H, Tp, C)
+    x = 0.1 * normal(B, H, Tp, C)
+    beta = jnp.asarray(rng.uniform(0.1, 1.0, (B, H, Tp)), jnp.float32)
+    t = (x.reshape(B, H, N, C, C) * beta.reshape(B, H, N, 1, C)).reshape(B, H, Tp, C)
     b = jnp.cumsum(-jnp.asarray(rng.uniform(0, 0.1, (B, H, N, C)), jnp.float32), -1).reshape(B, H, Tp)
     cts = (normal(B, H, Tp, C), normal(B, H, Tp, d), normal(B, H, N, d, d), normal(B, H, N, d, dv))
 
@@ -196,7 +198,7 @@ def test_chunk_terms_backward_kernel_is_the_vjp(rng, d, dv):
 
     with jax.default_matmul_precision("highest"):
         want = jax.vjp(xla, q, k, w, u, t, b)[1](cts)
-    dq, dk, dw, ndu, dt, db = gdn_terms_mgpu.backward(q, k, w, u, t, b * LOG2E, *cts,
+    dq, dk, dw, ndu, dt, db = gdn_terms_mgpu.backward(q, k, w, u, x, beta, b * LOG2E, *cts,
                                                       interpret=True)
     for name, got, ref in zip(("dq", "dk", "dw", "du", "dT", "db"), (dq, dk, dw, -ndu, dt, db), want):
         assert_close(got, ref, 1e-5, name)

@@ -36,12 +36,6 @@ from hla_jax.ops import fenwick
 from hla_jax.ops.loglinear_gdn_blocks import chunk_window
 
 
-def _t(x, beta):
-    """``T = X diag(β)`` per chunk: ``x [B,H,Tp,C]``, ``beta [B,H,Tp]``."""
-    B, H, Tp = beta.shape
-    return (x.reshape(B, H, Tp // C, C, C) * beta.reshape(B, H, Tp // C, 1, C)).reshape(B, H, Tp, C)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def terms(q, k, v, b, beta, interpret):
     """``(M [B,H,Tp,C]`` float32, ``Q̂ [B,H,Tp,d]``, ``A_c [B,H,N,d,d]``, ``Z [B,H,N,d,dv]`` in
@@ -61,7 +55,7 @@ def _terms_bwd(interpret, res, cts):
     """``gdn_terms_mgpu.backward``, then the UT backward handed its ``dW``, ``−dU``, ``dK`` and
     ``T``'s own cotangent."""
     q, k, v, b2, beta, w, u, x = res
-    dq, dk, dw, ndu, dt, db = gdn_terms_mgpu.backward(q, k, w, u, _t(x, beta), b2, *cts,
+    dq, dk, dw, ndu, dt, db = gdn_terms_mgpu.backward(q, k, w, u, x, beta, b2, *cts,
                                                       interpret=interpret)
     dk, dv, dbeta, db_ut = gdn_ut_mgpu.backward(k, v, b2, beta, x, dw, ndu, dk, dt_own=dt,
                                                 interpret=interpret)

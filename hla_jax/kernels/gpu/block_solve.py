@@ -40,12 +40,14 @@ def scratch():
 
 
 def inverse(a, a_s, x_s, interpret):
-    """``(I + A)⁻¹`` (float32 ``[64,64]``, wgmma layout) of ``a``: strictly lower, zero outside
-    the ``16×16`` diagonal blocks; ``a_s, x_s``: ``scratch()`` tiles (unused in the
-    interpreter)."""
+    """``(I + A)⁻¹`` (float32 ``[64,64]``, wgmma layout) for ``A`` the ``16×16`` diagonal blocks
+    of the strictly lower ``a`` (the solve reads nothing else); ``a_s, x_s``: ``scratch()`` tiles
+    (unused in the interpreter)."""
     if interpret:
-        eye = jnp.eye(C, dtype=F32)
-        return lax.linalg.triangular_solve(a, eye, left_side=True, lower=True, unit_diagonal=True)
+        r, c = jnp.indices((C, C))
+        blocks = jnp.where(r // BLOCK == c // BLOCK, a, 0.0)
+        return lax.linalg.triangular_solve(blocks, jnp.eye(C, dtype=F32), left_side=True,
+                                           lower=True, unit_diagonal=True)
     return _substitute(-a, a_s.at[:, :C], x_s.at[:, :C])
 
 

@@ -14,13 +14,14 @@ with ``G = dP ∘ P`` (``K̃`` enters only as ``e∘(K ·)``, so it is never rou
 factors ``T``, ``dM``, ``P`` and ``dS`` enter as two 16-bit halves (three products for a float32
 pair, two with a 16-bit one; ``gdn_ut_mgpu.put``).  Column sums are float32 reductions over
 rows, so each pair's term in ``rows(G) − cols(G)`` cancels in the gate's cumulative sum.  Every
-input is loaded at the start; ``T`` and ``dM`` give way to their halves (and ``T``'s to ``dT``),
-and each output is staged over an input it outlives (``dW`` over ``W``, ``dQ`` over ``dQ̂``,
-``−dU`` over ``U``, ``dK`` over ``Q``): 208 KiB a CTA at ``d = dv = 128``, one an SM.  The values
-go in tiles of 128 columns (64 when ``dv`` is an odd multiple of 64).
+input is loaded at the start; ``X`` and ``dM`` give way to ``T``'s and ``dM``'s halves (and
+``T``'s to ``dT``), and each output is staged over an input it outlives (``dW`` over ``W``,
+``dQ`` over ``dQ̂``, ``−dU`` over ``U``, ``dK`` over ``Q``): 208 KiB a CTA at ``d = dv = 128``,
+one an SM.  The values go in tiles of 128 columns (64 when ``dv`` is an odd multiple of 64).
 
 Inputs: ``q, k, w [B,Tp,H,d]`` 16-bit with ``d ∈ {64, 128}``, ``u [B,Tp,H,dv]`` (``dv`` a multiple
-of 64), ``t, dm [B,H,Tp,C]`` float32, ``b2 [B,H,Tp]`` the local log2-decay, ``dqh [B,H,Tp,d]``,
+of 64), ``x, dm [B,H,Tp,C]`` float32 (``T = X diag(β)`` per chunk, formed as ``X`` is loaded),
+``beta, b2 [B,H,Tp]`` float32, ``b2`` the local log2-decay, ``dqh [B,H,Tp,d]``,
 ``da [B,H,N,d,d]``, ``dz [B,H,N,d,dv]`` 16-bit.  Returns ``dq, dk, dw [B,Tp,H,d]`` and ``−dU
 [B,Tp,H,dv]`` in ``q``'s dtype (``−dU`` as the UT backward takes it), ``dT [B,H,Tp,C]`` and
 ``∂L/∂b [B,H,Tp]`` float32 (``b`` in natural-log units).
@@ -41,6 +42,7 @@ from hla_jax.kernels.gpu.la_mgpu import (
     ROWS,
     WGMMA,
     C,
+    bcast_cols,
     bcast_rows,
     build,
     causal_decay,
@@ -50,7 +52,7 @@ from hla_jax.kernels.gpu.la_mgpu import (
 )
 
 
-def backward(q, k, w, u, t, b2, dm, dqh, da, dz, *, interpret=None):
+def backward(q, k, w, u, x, beta, b2, dm, dqh, da, dz, *, interpret=None):
     """``(dq, dk, dw, −du, dT, ∂L/∂b)`` (module docstring)."""
     B, Tp, H, d = q.shape
     dv, dt, N = u.shape[-1], q.dtype, Tp // C
@@ -67,11 +69,11 @@ def backward(q, k, w, u, t, b2, dm, dqh, da, dz, *, interpret=None):
         da_s=tile(d, d), dz_s=tile(d, bv), ph_s=cc, pl_s=cc, dsh_s=cc, dsl_s=cc,
         t_x=plgpu.RefUnion(f32, (cc, cc)),     # T, then its halves, then dT out
         m_x=plgpu.RefUnion(f32, (cc, cc)),     # dM, then its halves
-        vecs=plgpu.SMEM((3, C), F32),     # b2 (read as rows, as columns); column sums, ∂L/∂b
-        bar=plgpu.Barrier(num_arrivals=8), abar=plgpu.Barrier(num_arrivals=1),
+        vecs=plgpu.SMEM((4, C), F32),     # b2 (read as rows, as columns); column sums, ∂L/∂b; β
+        bar=plgpu.Barrier(num_arrivals=9), abar=plgpu.Barrier(num_arrivals=1),
         vbar=plgpu.Barrier(num_arrivals=2))
 
-    def body(q_ref, k_ref, w_ref, u_ref, t_ref, b_ref, dm_ref, dqh_ref, da_ref, dz_ref,
+    def body(q_ref, k_ref, w_ref, u_ref, x_ref, beta_ref, b_ref, dm_ref, dqh_ref, da_ref, dz_ref,
              dq_ref, dk_ref, dw_ref, ndu_ref, dt_ref, db_ref, *, q_s, k_s, w_s, dqh_s, u_s,
              da_s, dz_s, ph_s, pl_s, dsh_s, dsl_s, t_x, m_x, vecs, bar, abar, vbar):
         bi, hi, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
@@ -90,7 +92,8 @@ def backward(q, k, w, u, t, b2, dm, dqh, da, dz, *, interpret=None):
         for ref, buf in ((q_ref, q_s), (k_ref, k_s), (w_ref, w_s)):
             plgpu.copy_gmem_to_smem(ref.at[bi, rows, hi], buf, bar)
         plgpu.copy_gmem_to_smem(dqh_ref.at[bi, hi, rows], dqh_s, bar)
-        plgpu.copy_gmem_to_smem(t_ref.at[bi, hi, rows], t_s, bar)
+        plgpu.copy_gmem_to_smem(x_ref.at[bi, hi, rows], t_s, bar)
+        plgpu.copy_gmem_to_smem(beta_ref.at[bi, hi, rows], vecs.at[3], bar)
         plgpu.copy_gmem_to_smem(dm_ref.at[bi, hi, rows], m_s, bar)
         for i in range(2):
             plgpu.copy_gmem_to_smem(b_ref.at[bi, hi, rows], vecs.at[i], bar)
@@ -103,7 +106,8 @@ def backward(q, k, w, u, t, b2, dm, dqh, da, dz, *, interpret=None):
         Gam = causal_decay(b_row, b_col, (C, C))
         P = _mm(q_s, k_s.T, (C, C)) * Gam
         put(P, ph_s, pl_s)
-        put(plgpu.load(t_s, layout=WGMMA), th_s, tl_s)                     # over T
+        beta = bcast_cols(plgpu.load(vecs.at[3], layout=COLS), (C, C))
+        put(plgpu.load(t_s, layout=WGMMA) * beta, th_s, tl_s)              # T = X diag(β), over X
         put(plgpu.load(m_s, layout=WGMMA), mh_s, ml_s)                     # over dM
         dP = (_sum([(mh_s, th_s.T), (mh_s, tl_s.T), (ml_s, th_s.T)], (C, C))
               - _mm(dqh_s, w_s.T, (C, C)))                                  # dM Tᵀ − dQ̂ Wᵀ
@@ -162,4 +166,4 @@ def backward(q, k, w, u, t, b2, dm, dqh, da, dz, *, interpret=None):
         jax.ShapeDtypeStruct(u.shape, dt), jax.ShapeDtypeStruct((B, H, Tp, C), F32),
         jax.ShapeDtypeStruct((B, H, Tp), F32)]
     return build(body, out_type, scratch, (B, H, N), ("b", "h", "n"), interpret,
-                 "gdn_terms_bwd")(q, k, w, u, t, b2, dm, dqh, da, dz)
+                 "gdn_terms_bwd")(q, k, w, u, x, beta, b2, dm, dqh, da, dz)

@@ -131,9 +131,7 @@ def forward(k, v, b2, beta, *, keep=True, interpret=None):
         beta_row, beta_col = plgpu.load(vecs.at[2], layout=ROWS), plgpu.load(vecs.at[3], layout=COLS)
         A = (_sum([(k_s, k_s.T)], (C, C)) * bcast_rows(beta_row, (C, C))
              * causal_decay(b_row, b_col, (C, C), strict=True))
-        r = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
-        c = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
-        X = block_solve.inverse(jnp.where((r ^ c) < BLOCK, A, 0.0), as_s, xs_s, bool(interpret))
+        X = block_solve.inverse(A, as_s, xs_s, bool(interpret))
         row = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=ROWS)
         s = BLOCK
         while s < C:       # X ← X − X (A_s X): A_s's columns j … j+s couple rows j+s … j+2s
