@@ -67,7 +67,7 @@ def backward(q, k, w, u, x, beta, b2, dm, dqh, da, dz, *, interpret=None):
     scratch = dict(
         q_s=tile(C, d), k_s=tile(C, d), w_s=tile(C, d), dqh_s=tile(C, d), u_s=tile(C, bv),
         da_s=tile(d, d), dz_s=tile(d, bv), ph_s=cc, pl_s=cc, dsh_s=cc, dsl_s=cc,
-        t_x=plgpu.RefUnion(f32, (cc, cc)),     # T, then its halves, then dT out
+        t_x=plgpu.RefUnion(f32, (cc, cc)),     # X, then T's halves, then dT out
         m_x=plgpu.RefUnion(f32, (cc, cc)),     # dM, then its halves
         vecs=plgpu.SMEM((4, C), F32),     # b2 (read as rows, as columns); column sums, ∂L/∂b; β
         bar=plgpu.Barrier(num_arrivals=9), abar=plgpu.Barrier(num_arrivals=1),
