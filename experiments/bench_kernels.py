@@ -10,7 +10,7 @@ one GPU.
 Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
 
 - ``mamba2_pallas``: ``ops.mamba2(impl="pallas")``, i.e. ``hla_jax.kernels.la_pallas``;
-- ``hla2_pallas``, ``ahla_pallas``, ``hla3_pallas``: ``ops.<op>(impl="pallas")``, the SPEC §7
+- ``hla2_pallas``, ``ahla_pallas``, ``hla3_pallas``: ``ops.<op>(impl="pallas")``, the docs/math.md#chains
   chains of two ``la_pallas`` calls;
 - ``gated_deltanet_pallas``: ``ops.gated_deltanet(impl="pallas")``, i.e.
   ``hla_jax.kernels.gated_deltanet_pallas`` (a few long rows cut into pieces, ``default_pieces``);

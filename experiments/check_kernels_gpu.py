@@ -12,7 +12,7 @@ Kernels (``CASES``), compiled, not interpreted:
 - ``mamba2``: ``ops.mamba2(impl="pallas")``, i.e. the first-order kernel ``kernels.la_pallas``;
 - ``la_pallas``: ``kernels.la_pallas`` directly, from an initial state and returning the final
   state (``backend`` its default or as the case names it);
-- ``hla2``, ``ahla``, ``hla3`` (causal): ``ops.<op>(impl="pallas")``, the SPEC §7 chains of two
+- ``hla2``, ``ahla``, ``hla3`` (causal): ``ops.<op>(impl="pallas")``, the chains (docs/math.md#chains) of two
   ``la_pallas`` calls, with and without ratio normalisation;
 - ``gated_deltanet``: ``kernels.gated_deltanet_pallas`` from an initial state and returning the
   final state (reference: the float64 recurrence, ``ops.gated_deltanet(impl="recurrent")``), or,
@@ -40,7 +40,8 @@ Gates ``g``: per token (``token``), per head (``head``), none, or per token with
 (``reset``: in batch element 0 only, at chunk boundaries and at random, so the other element
 keeps its initial state's term), or per token with packed documents (``docs``: ``segment_ids``
 with documents of ``DOCS`` tokens in turn, starting mid-chunk, in element 0, one document in the
-other; the reference is the operator with ``g = −∞`` at each document start, SPEC §8), or
+other; the reference is the operator with ``g = −∞`` at each document start,
+docs/math.md#packed-documents), or
 (``aligned``, delta rules) slow decays, β near 1 and keys around one direction, where the UT
 transform's ``(I + A)⁻¹`` is worst conditioned, or (``state``) per token after a state whose
 rows are at positions ``STATE_T0``.
@@ -256,7 +257,7 @@ def reference_fn(case):
     seg = segments(case)
     if seg is not None and case.kernel in LOGLINEAR:  # levels from each document's start
         return lambda *a: (getattr(reference, case.kernel)(*a, segment_ids=seg),)
-    if seg is not None:  # the documents' resets, SPEC §8
+    if seg is not None:  # the documents' resets, docs/math.md#packed-documents
         plain = (reference_fn(case._replace(gate="token")) if case.kernel != "gated_deltanet"
                  else lambda *a: (reference.gated_deltanet(*a),))
         starts = np.asarray(common.doc_starts(seg))[..., None]

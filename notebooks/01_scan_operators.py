@@ -46,7 +46,7 @@ def rel(a, b):
 # %% [markdown]
 # ## Second-order HLA
 # Token summary `(a_t, k kᵀ, q vᵀ, 0)`; the combine carries the cross term
-# `G = ρ_B² G_A + G_B + ρ_B S_B C_A` (SPEC §1). The readout of the prefix is `qᵀ(S C − G)`.
+# `G = ρ_B² G_A + G_B + ρ_B S_B C_A` (docs/math.md#hla2). The readout of the prefix is `qᵀ(S C − G)`.
 
 # %%
 prefix = jax.lax.associative_scan(hla2_family.combine, hla2_family.token_summaries(q, k, v, g), axis=1)
@@ -101,7 +101,7 @@ print("hla2 decode vs full sequence:", f"{rel(jnp.stack(outs, 1), o_scan):.1e}")
 # %% [markdown]
 # ## The paper's "masked third order" is a different operator
 # `mask="paper"` is the streaming algebra printed in the HLA paper; it is not
-# `(((W Wᵀ) ∘ L) W) V` (SPEC §3, §5).
+# `(((W Wᵀ) ∘ L) W) V` (docs/math.md#hla3, docs/math.md#paper-differences).
 
 # %%
 o_causal = ops.hla3(q, k, v, impl="reference")
@@ -112,7 +112,8 @@ print("paper: chunked vs reference:", f"{rel(ops.hla3(q, k, v, mask='paper', chu
 # %% [markdown]
 # ## Packed documents and chunked states
 # `segment_ids` packs several documents into one row: the operator then equals the operator on
-# each document alone (SPEC §8). `initial_state` / `return_final_state` let the chunked form
+# each document alone (docs/math.md#packed-documents). `initial_state` / `return_final_state` let the
+# chunked form
 # process a sequence in pieces, or prefill a prompt in one parallel pass and hand its state to
 # `step`.
 

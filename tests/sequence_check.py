@@ -48,7 +48,7 @@ CASES = {  # name -> (operator, extra inputs, keyword arguments)
 
 # name -> (|s|: float32 numbers per batch row and head that the forward all-gathers, as text and
 # as a function of (d, dv′, L)); dv′ = dv + 1 when normalised, L = ⌈log2 T⌉ + 1 (global T).
-# hla2, ahla and causal hla3 are SPEC §7 chains of two LA passes: one (1 + d·width) each.
+# hla2, ahla and causal hla3 are chains (docs/math.md#chains) of two LA passes: one (1 + d·width) each.
 SUMMARY = {
     "hla2": ("inner LA (1 + d²) + outer LA (1 + d·dv′)",
              lambda d, dv, L: (1 + d * d) + (1 + d * dv)),

@@ -1,4 +1,4 @@
-"""AHLA (SPEC §2): every form against the quadratic reference, gradients, the combine's algebra."""
+"""AHLA (docs/math.md#ahla): every form against the quadratic reference, gradients, the combine's algebra."""
 
 import functools
 

@@ -1,4 +1,4 @@
-"""SPEC §7: hla2, ahla and causal hla3 as chains of first-order LA passes (hla_jax/ops/chains.py),
+"""docs/math.md#chains: hla2, ahla and causal hla3 as chains of first-order LA passes (hla_jax/ops/chains.py),
 over XLA's chunked LA (impl="chunked") and the Pallas LA kernel (impl="pallas", interpret mode),
 against the quadratic references: outputs and gradients of q, k, v, g."""
 

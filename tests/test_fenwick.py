@@ -1,4 +1,4 @@
-"""Fenwick levels, the static intra-chunk table and the binary-counter carry (SPEC §4)."""
+"""Fenwick levels, the static intra-chunk table and the binary-counter carry (docs/math.md#loglinear)."""
 
 import math
 

@@ -147,7 +147,8 @@ def test_step_by_step_matches_sequence(x64, rng, normalize):
     state = fam.init_state(2, 2, D, DV, normalize=normalize, dtype=jnp.float64)
     outs, state = step_outputs(step, state, q, k, v, g)
     assert_close(outs, _run("reference", normalize)(q, k, v, g), 1e-10)
-    # the final state is the SPEC §7 chain's two LA states: S the inner one (values k), U the
+    # the final state is the two LA states of the chain (docs/math.md#chains): S the inner one (values
+    # k), U the
     # outer one (keys K̃ = LA(q, k, k; g), values [V | 1] when normalised, decay 2g)
     def la_state(k, v, g):
         return jax.lax.associative_scan(linear.combine, linear.token_summaries(k, v, g),

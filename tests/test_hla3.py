@@ -1,4 +1,4 @@
-"""Third-order HLA (SPEC §3), masks "causal" and "paper": every form against the quadratic
+"""Third-order HLA (docs/math.md#hla3), masks "causal" and "paper": every form against the quadratic
 reference, gradients, the combines' algebra, the decode step."""
 
 import functools

@@ -16,7 +16,7 @@ from helpers import assert_close, keys_around_one_direction, lower_for
 from hla_jax import ops
 from hla_jax.kernels import gated_deltanet_pallas, gdn
 
-TOL = 2e-2  # SPEC §6: bf16 inputs with float32 state
+TOL = 2e-2  # docs/math.md#tolerances: bf16 inputs with float32 state
 
 
 def operands(rng, B, T, H, d, dv):
@@ -76,7 +76,7 @@ def check_against_recurrence(rng, B, T, H, d, dv, case, platform, pieces=1):
     args = list(operands(rng, B, T, H, d, dv))
     tol = TOL
     if case == "float32":
-        args[:3], tol = [x.astype(jnp.float32) for x in args[:3]], 2e-3   # SPEC §6
+        args[:3], tol = [x.astype(jnp.float32) for x in args[:3]], 2e-3   # docs/math.md#tolerances
     if case == "reset":
         args[3] = args[3].at[0, 40, 0].set(-jnp.inf).at[1, T // 2, 0].set(-jnp.inf)
     if case == "aligned":

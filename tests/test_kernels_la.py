@@ -123,7 +123,7 @@ def test_reset_gate_stays_finite_and_forgets(rng, backend):
 
 def test_bf16(rng):
     """bf16 inputs: bf16 matmul operands, float32 state and outputs; vs the float32 reference
-    on the same bf16-rounded values (SPEC §6: 2e-2), gradients included."""
+    on the same bf16-rounded values (docs/math.md#tolerances: 2e-2), gradients included."""
     q, k, v = (x.astype(jnp.bfloat16) for x in make_qkv(rng, 2, 40, 2, 16, 16))
     g = make_gate(rng, 2, 40, 2)
     assert la_pallas(q, k, v, g, chunk_size=16).dtype == jnp.float32

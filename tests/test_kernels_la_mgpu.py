@@ -11,7 +11,7 @@ from helpers import assert_close
 from hla_jax.kernels.gpu import la_mgpu
 from hla_jax.kernels.wrap import chunk_log_decay
 
-TOL = 2e-2  # SPEC §6: bf16 inputs (16-bit copies of the state; dg sums the noise of a chunk)
+TOL = 2e-2  # docs/math.md#tolerances: bf16 inputs (16-bit copies of the state; dg sums the noise of a chunk)
 
 
 def oracle(q, k, v, g, h0):

@@ -1,4 +1,4 @@
-"""The quadratic references against brute-force sums over indices (SPEC.md definitions)."""
+"""The quadratic references against brute-force sums over indices (the definitions in docs/math.md)."""
 
 import itertools
 

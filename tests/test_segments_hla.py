@@ -1,4 +1,5 @@
-"""Packed documents (SPEC §8) and chunked states in and out for hla2, ahla and hla3 (both masks).
+"""Packed documents (docs/math.md#packed-documents) and chunked states in and out for hla2, ahla and hla3
+(both masks).
 
 Packed rows equal their documents run alone (outputs and gradients of q, k, v, g) in every impl;
 a sequence run in two pieces through ``initial_state`` / ``return_final_state`` equals one pass,

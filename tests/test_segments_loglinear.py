@@ -1,4 +1,4 @@
-"""Packed documents (SPEC §8) and chunked states in and out for the state-space core
+"""Packed documents (docs/math.md#packed-documents) and chunked states in and out for the state-space core
 (``ops.loglinear``: Mamba-2, Gated DeltaNet and their log-linear versions).
 
 A packed row must equal its documents run alone (outputs and gradients), the chunked form must

@@ -4,7 +4,7 @@
 
 (``ops.gated_deltanet``; ``q, k [B,T,H,d]``, keys L2-normalised by the caller, ``v [B,T,H,dv]``,
 ``g = log a`` and ``beta [B,T,H]``, ``initial_state`` ``H0 [B,H,d,dv]``).  Per chunk of 64 tokens
-(SPEC §4, "Gated DeltaNet chunk form"), parallel over chunks (``kernels/gpu/gdn_ut_mgpu.py``,
+(docs/math.md#loglinear-gdn-chunk), parallel over chunks (``kernels/gpu/gdn_ut_mgpu.py``,
 Mosaic GPU, on ``kernels/gdn_chunk.py``'s math): the UT transform
 ``T = (I + strict_tril(diag(β)(K Kᵀ) ∘ Γ))⁻¹ diag(β)`` (the inverse by doubling its diagonal
 blocks), ``W = T (ρ∘K)``, ``U = T V``; then one walk over the chunks (``kernels/gpu/gdn_mgpu.py``, Mosaic

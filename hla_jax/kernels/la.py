@@ -1,4 +1,4 @@
-"""``la_pallas``: first-order scalar-gated linear attention (LA, SPEC §7) through Pallas kernels.
+"""``la_pallas``: first-order scalar-gated linear attention (LA, docs/math.md#chains) through Pallas kernels.
 
     LA(q,k,v;g)_t = Σ_{s≤t} D(t,s) (q_t·k_s) v_s + D(t,-1) q_tᵀ H0
     H_T = D(T-1,-1) H0 + Σ_s D(T-1,s) k_s v_sᵀ
@@ -7,7 +7,7 @@ with ``D(t,s) = exp(g_{s+1}+…+g_t)``, ``D(t,-1) = exp(g_0+…+g_t)``.  Shapes:
 ``v [B,T,H,dv]``, ``g`` a log-decay ``[B,T,H]``, ``[H]`` or None (no decay), ``initial_state``
 ``H0 [B,H,d,dv]`` (float32 state) or None (zeros).  This is ``ops.mamba2`` /
 ``ops.linear_attention`` (the Mamba-2 SSD core) and the building block of every HLA operator
-(SPEC §7), so it is differentiable in all of ``q, k, v, g, initial_state``.
+(docs/math.md#chains), so it is differentiable in all of ``q, k, v, g, initial_state``.
 
 Backends:
 

@@ -1,4 +1,4 @@
-"""One chunk of first-order scalar-gated linear attention (LA), forward and backward (SPEC §7).
+"""One chunk of first-order scalar-gated linear attention (LA), forward and backward (docs/math.md#chains).
 
 LA is the base of every chunk step: the helpers here (``dot``, ``decays``, ``at_end``) serve the
 log-linear ones too.  The NVIDIA (Triton) and TPU (Mosaic) walks call these on ``[c, ·]`` tiles

@@ -1,4 +1,5 @@
-"""``loglinear_mamba2_pallas``: log-linear Mamba-2 (SPEC §4) through Pallas kernels, differentiable.
+"""``loglinear_mamba2_pallas``: log-linear Mamba-2 (docs/math.md#loglinear) through Pallas kernels,
+differentiable.
 
 Same semantics as ``ops.loglinear_mamba2``: ``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} D(t,s) (q_t·k_s) v_s`` with
 ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g`` a log-decay ``[B,T,H]`` (or ``[H]``),
@@ -204,7 +205,8 @@ def loglinear_mamba2_pallas(q, k, v, g, lam, *, segment_ids=None, chunk_size=64,
                             block_v=128, block_v_bwd=128, num_warps=4, platform=None):
     """Log-linear Mamba-2 via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
 
-    ``segment_ids [B,T]`` int: packed documents (SPEC §8), each computed as if alone: the row
+    ``segment_ids [B,T]`` int: packed documents (docs/math.md#packed-documents), each computed as if
+    alone: the row
     is laid out in a buffer of ``2T`` tokens where each document starts on its own aligned
     block (``ops.loglinear_blocks.aligned_layout``), so the kernels do up to twice the work.
     ``block_v`` / ``block_v_bwd`` (the value tiles of the forward and backward kernels, powers

@@ -1,4 +1,4 @@
-"""``loglinear_gated_deltanet_pallas``: log-linear Gated DeltaNet (SPEC §4) via Pallas kernels.
+"""``loglinear_gated_deltanet_pallas``: log-linear Gated DeltaNet (docs/math.md#loglinear) via Pallas kernels.
 
 Same semantics as ``hla_jax.ops.loglinear_gated_deltanet``:
 ``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_sᵀ``, ``A_r = a_r (I − β_r k_r k_rᵀ)``;
@@ -118,7 +118,8 @@ def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, segment_ids=None, 
                                     platform=None):
     """Log-linear Gated DeltaNet via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
 
-    ``segment_ids [B,T]`` int: packed documents (SPEC §8), each computed as if alone, on the
+    ``segment_ids [B,T]`` int: packed documents (docs/math.md#packed-documents), each computed as if
+    alone, on the
     aligned layout of log-linear Mamba-2's kernels (``kernels.loglinear.packed``: a buffer of
     ``2T`` tokens, up to twice the work; the reset at each start clears every level state).
 

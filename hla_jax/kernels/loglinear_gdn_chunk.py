@@ -1,4 +1,5 @@
-"""One chunk of log-linear Gated DeltaNet, forward and backward, as small 2-D matmuls (SPEC §4).
+"""One chunk of log-linear Gated DeltaNet, forward and backward, as small 2-D matmuls
+(docs/math.md#loglinear).
 
 Shared by the NVIDIA (Triton) and TPU (Mosaic) kernels.  One chunk of ``c`` tokens, local
 positions τ: ``b`` the local cumulative log-decay, ``γ = exp(b)``, ``γ_c`` its value at the chunk

@@ -27,15 +27,15 @@ def mixer_core_flops(name: str, T: int, d: int, c: int, levels: int = 0) -> floa
       ``2·d·(T+1)/2 · 2 = 2·d·(T+1)``.
     - linear / mamba2 (SSD chunk form): ``QKᵀ`` and ``(·)V`` inside the chunk ``4·c·d``;
       prefix read ``Q H₀`` and chunk state ``Kᵀ V``: ``4·d²``.
-    - hla2 (SPEC §1 chunk form): ``QKᵀ, Q S₀ Qᵀ`` ``4cd``, ``W_g Wᵀ`` ``2c²``, two ``(·)V``
+    - hla2 (docs/math.md#hla2, chunk form): ``QKᵀ, Q S₀ Qᵀ`` ``4cd``, ``W_g Wᵀ`` ``2c²``, two ``(·)V``
       ``4cd``; ``Q S₀, Q U₀`` ``4d²``; summaries ``KᵀK, QᵀV`` ``4d²``, own ``G`` ``4cd + 2d²``;
       combine ``S_B C_A`` ``2d³/c``.
-    - ahla (SPEC §2): ``QKᵀ`` ``2cd``, ``W_g W_g`` ``2c²``, ``(·)V, A_L(QP₀), W_g V`` ``6cd``;
+    - ahla (docs/math.md#ahla): ``QKᵀ`` ``2cd``, ``W_g W_g`` ``2c²``, ``(·)V, A_L(QP₀), W_g V`` ``6cd``;
       ``Q E₀, Q P₀`` ``4d²``; summaries ``KᵀV, KᵀQ, Kᵀ(W_gV)`` ``6d²``; combine ``R_B P_A`` ``2d³/c``.
-    - hla3 (SPEC §3 causal): ``QKᵀ, Q S₀ Qᵀ`` ``4cd``, ``A W_gᵀ, W_g A_Lᵀ`` ``4c²``, ``W_g V`` and
+    - hla3 (docs/math.md#hla3, causal): ``QKᵀ, Q S₀ Qᵀ`` ``4cd``, ``A W_gᵀ, W_g A_Lᵀ`` ``4c²``, ``W_g V`` and
       four ``(c×c)(c×d)`` products ``10cd``; ``Q S₀, Q P₀, Q F₀`` ``6d²``; summaries
       ``S, P, Q2, X, Y, F`` ``12d²``; combine (five ``d×d·d×d`` products) ``10d³/c``.
-    - gated_deltanet (UT/WY chunk form, SPEC §4): ``KKᵀ, QKᵀ`` ``4cd``, triangular solve
+    - gated_deltanet (UT/WY chunk form, docs/math.md#loglinear): ``KKᵀ, QKᵀ`` ``4cd``, triangular solve
       ``c²/3``, ``W = T K``, ``U = T V``, ``(QKᵀ∘Γ) T``, ``M V`` ``4cd + 2c²``; prefix
       ``Q H, W H, (QKᵀ∘Γ)(WH)`` ``4d² + 2cd``; state ``K̃ᵀ(WH), K̃ᵀU`` ``4d²``.
     - loglinear_mamba2: mamba2 + per active chunk level (``n = ⌈log2⌈T/c⌉⌉``) a read ``Q H_ℓ``: ``2d²·n``.

@@ -76,7 +76,8 @@ class LM(nnx.Module):
         of the vocabulary projection); ``positions: [P] int`` are flat indices ``b·T + t`` into
         the batch (rows with different numbers of scored positions, no padding per row),
         ``[P,vocab]``.  ``segment_ids: [B,T] int``: packed documents
-        (consecutive equal ids form one document, SPEC §8); each document's logits are those
+        (consecutive equal ids form one document, docs/math.md#packed-documents); each document's logits
+        are those
         it would get alone."""
         segment_ids = common.check_segment_ids(segment_ids, *tokens.shape, name="LM")
         x = self._embed(tokens)

@@ -8,7 +8,7 @@
     y       = W_o (RMSNorm_h(o) ∘ act(x W_z))            OutputGate
 
 Packed documents: ``segment_ids: [B,T]`` go to the conv (no tap across a document start) and to
-the op (SPEC §8: each document as if alone); everything else acts per token.
+the op (docs/math.md#packed-documents: each document as if alone); everything else acts per token.
 
 Decoding keeps ``{"conv": last K-1 conv inputs, "state": the family's recurrent state}``.
 Prefill is one parallel pass: the op's chunked form (or kernel) returns its outputs and its final

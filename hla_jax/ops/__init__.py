@@ -12,7 +12,8 @@
 q, k: [B,T,H,d]; v: [B,T,H,dv]; g: [B,T,H] log-decay (<= 0); beta: [B,T,H];
 lam: [B,T,H,levels]; impl: "reference" | "recurrent" | "scan" | "chunked" | "pallas" | "auto".
 Every entry also takes ``segment_ids: [B,T]`` int (packed documents: the operator on each
-document alone, SPEC §8), ``initial_state`` / ``return_final_state`` (recurrent, chunked, pallas:
+document alone, docs/math.md#packed-documents), ``initial_state`` / ``return_final_state`` (recurrent,
+chunked, pallas:
 start from the family's decode state and return ``(o, final_state)``) and ``seq_axis`` (the mesh
 axis time is sharded over, ``ops.sequence``).
 """

@@ -1,18 +1,18 @@
-"""Asymmetric second-order HLA (AHLA), SPEC.md §2.
+"""Asymmetric second-order HLA (AHLA), docs/math.md#ahla.
 
     o_t = Σ_{j≤i≤t} D(t,j) (q_t·k_i)(q_i·k_j) v_j          (= (W_g W_g) V,  W_g = Γ ∘ QKᵀ)
 
 optionally ratio-normalised: ``o_t / clamp_signed(den_t, eps)``, ``den`` the same sum with ``v_j``
 replaced by 1.  The operator is linear in V, so the normalised form runs once on ``[V | 1]``
-(``dv + 1`` columns): the last columns of ``P`` and ``E`` are SPEC's ``mK`` and ``n``.
+(``dv + 1`` columns): the last columns of ``P`` and ``E`` are the normaliser's ``mK`` and ``n``.
 Forms that agree: the quadratic ``reference``, the serial ``recurrent`` form (``step`` = the
 decode step), the token-level associative ``scan`` over ``token_summaries`` with ``combine``, and
-the ``chunked`` form, which is SPEC §7's chain of two first-order linear-attention passes
+the ``chunked`` form, which is the chain (docs/math.md#chains) of two first-order linear-attention passes
 (``chains.ahla``: ``W_g (W_g V) = LA(q, k, Ṽ; g)`` with ``Ṽ = LA(q, k, v; g)``) over XLA's
 chunked LA; "pallas" is the same chain over the Pallas LA kernel.  The decode state is the
 chain's two LA states: ``P = Σ D k vᵀ`` is the inner LA's, and ``E = Σ_i D(t,i) k_i Ṽ_iᵀ`` the
 outer one's (values ``Ṽ_t = P_tᵀ q_t``: ``E ← a E + k (qᵀ P)``).
-Packed documents (``segment_ids``, SPEC §8): the state resets at every document start,
+Packed documents (``segment_ids``, docs/math.md#packed-documents): the state resets at every document start,
 ``g = −∞`` there (``hla_forms.dispatch``), in every form.  The recurrent, chunked and Pallas
 forms start from an ``initial_state`` (a ``State``) and can return the final one (from the
 chain's two LA passes in the chunked and Pallas forms).
@@ -45,7 +45,7 @@ class Summary(NamedTuple):
     """Segment summary ``(ρ, P, R, E)`` with any leading axes ``[...]``.
 
     ``ρ: [...]`` product of the segment's decays; ``P, E: [...,d,dv]``; ``R = Σ k qᵀ: [...,d,d]``
-    is NOT decayed.  SPEC's twins ``mK, n`` are the last columns of ``P, E`` for ``[V | 1]``.
+    is NOT decayed.  the normaliser's states ``mK, n`` are the last columns of ``P, E`` for ``[V | 1]``.
     """
     rho: jax.Array
     P: jax.Array
@@ -115,7 +115,8 @@ def ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
     chain on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``:
     the mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
     ``ops.sequence``).  ``segment_ids [B,T]`` int: packed documents, each run as if alone
-    (SPEC §8; every impl).  ``initial_state`` (a ``State``, the layout of ``init_state``) and
+    (docs/math.md#packed-documents; every impl).  ``initial_state`` (a ``State``, the layout of
+    ``init_state``) and
     ``return_final_state`` (recurrent, chunked, pallas, auto; not with ``seq_axis``): start from
     a state (the row's first token continues it) and return ``(o, final_state)``.
     """

@@ -1,4 +1,4 @@
-"""SPEC.md §7: the masked HLA operators are chains of first-order scalar-gated linear attention
+"""docs/math.md#chains: the masked HLA operators are chains of first-order scalar-gated linear attention
 
     LA(q, k, v; g)_t = Σ_{s≤t} D(t,s) (q_t·k_s) v_s          (Mamba-2's SSD core, ``ops.linear``)
 
@@ -11,7 +11,8 @@ factor ``D(t,i)`` reaching past the middle index ``j`` splits there.  hla2:
 ``D(t,j)² D(j,i) = D(t,i) D(t,j)`` (outer gate 2g, ``D(t,j)²`` is the decay of ``2g``); ahla:
 ``D(t,i) D(i,j) = D(t,j)``; hla3: ``D(t,u)² D(u,i) D(u,j) = D(t,i) D(t,u) D(u,j)``.  With
 ``g = None`` (no decay) 2g is ``None`` too.  A reset ``g_r = −∞`` (a packed document's first
-token, SPEC §8) zeroes every ``D(t,s)`` with ``s < r ≤ t`` in both passes (``2g_r = −∞``), so
+token, docs/math.md#packed-documents) zeroes every ``D(t,s)`` with ``s < r ≤ t`` in both passes (``2g_r =
+−∞``), so
 the chains reset exactly where the operator does.
 
 Ratio normalisation: the operators are linear in the innermost values, and the denominator is

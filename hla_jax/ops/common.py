@@ -1,6 +1,6 @@
 """Pieces shared by every operator family: input checks, gates, chunking, decays.
 
-Shapes follow SPEC.md: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (log-decay,
+Shapes (docs/math.md#notation): ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (log-decay,
 ``<= 0``), ``beta: [B,T,H]``, ``lam: [B,T,H,L]``.
 """
 
@@ -83,7 +83,8 @@ def check_per_token(x, B: int, T: int, H: int, arg: str, *, name: str = "operato
 
 
 def check_segment_ids(segment_ids, B: int, T: int, *, name: str = "operator"):
-    """``segment_ids: [B,T]`` int (SPEC §8: consecutive equal ids form one document) or ``None``;
+    """``segment_ids: [B,T]`` int (docs/math.md#packed-documents: consecutive equal ids form one
+    document) or ``None``;
     ValueError naming the argument otherwise."""
     if segment_ids is None:
         return None
@@ -109,7 +110,8 @@ def doc_starts(segment_ids, seq_axis=None):
 
 
 def reset_gate(g, segment_ids, B: int, T: int, H: int, dtype, seq_axis=None):
-    """The log-decay with ``-inf`` at every document start (SPEC §8: a gated operator on packed
+    """The log-decay with ``-inf`` at every document start (docs/math.md#packed-documents: a gated
+    operator on packed
     documents is the operator with its state reset there).  ``g``: ``[B,T,H]`` or ``None`` (no
     decay: zeros); returns ``g`` unchanged when ``segment_ids`` is ``None``."""
     if segment_ids is None:
@@ -158,7 +160,7 @@ def gate_or_zeros(g, B: int, T: int, H: int, dtype) -> jax.Array:
 
 
 def clamp_signed(x, eps: float):
-    """``sign(x) * max(|x|, eps)`` with ``sign(0) = +1`` (SPEC §1)."""
+    """``sign(x) * max(|x|, eps)`` with ``sign(0) = +1`` (docs/math.md#hla2)."""
     return jnp.where(x >= 0, jnp.maximum(x, eps), jnp.minimum(x, -eps))
 
 
@@ -290,7 +292,7 @@ def matmul_precision(*xs):
 
     float32/float64 inputs: ``"highest"`` (exact float32 products, no TF32 on GPU), which the
     1e-4 / 1e-10 tolerances need.  16-bit inputs: ``"tensorfloat32"``: the state stays float32 but
-    products may use the tensor cores, within the bf16 tolerance 2e-2 (SPEC §6).  A context
+    products may use the tensor cores, within the bf16 tolerance 2e-2 (docs/math.md#tolerances).  A context
     manager; jit's cache key includes it.
     """
     low = any(jnp.dtype(x.dtype).itemsize < 4 for x in xs if x is not None)

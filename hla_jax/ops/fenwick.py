@@ -1,4 +1,4 @@
-"""The Fenwick hierarchy of log-linear attention (SPEC.md §4): levels and the binary counter.
+"""The Fenwick hierarchy of log-linear attention (docs/math.md#loglinear): levels and the binary counter.
 
 Key ``s`` sits at level ``ℓ(t,s) = bit_length(t XOR s)`` for query ``t ≥ s`` (``ℓ(t,t) = 0``).
 Everything here is bit arithmetic: no ``T×T`` table is ever built on a fast path; the only table

@@ -1,18 +1,19 @@
-"""Second-order HLA (symmetric, masked), SPEC.md §1.
+"""Second-order HLA (symmetric, masked), docs/math.md#hla2.
 
     o_t = Σ_{j≤t} Σ_{i≤j} D(t,i) D(t,j) (q_t·k_i)(q_j·k_i) v_j          (= ((W_g Wᵀ) ∘ Γ) V)
 
 optionally ratio-normalised: ``o_t / clamp_signed(den_t, eps)`` with ``den`` the same sum with
 ``v_j`` replaced by 1.  The operator is linear in V, so the normalised form runs once on ``[V | 1]``
-(``dv + 1`` columns): the last columns of ``C``, ``G`` and ``U`` are SPEC's ``m``, ``h``, ``S m − h``.
+(``dv + 1`` columns): the last columns of ``C``, ``G`` and ``U`` are the normaliser's ``m``, ``h``, ``S m
+− h``.
 Forms that agree: the quadratic ``reference``, the serial ``recurrent`` form (``step`` = the
 decode step), the token-level associative ``scan`` over ``token_summaries`` with ``combine``, and
-the ``chunked`` form, which is SPEC §7's chain of two first-order linear-attention passes
+the ``chunked`` form, which is the chain (docs/math.md#chains) of two first-order linear-attention passes
 (``chains.hla2``: ``LA(q, K̃, v; 2g)`` with ``K̃ = LA(q, k, k; g)``) over XLA's chunked LA;
 "pallas" is the same chain over the Pallas LA kernel.  The decode state is the chain's two LA
 states: ``S = Σ D k kᵀ`` is the inner LA's (values ``k``), and ``U = S C − G = Σ_j D(t,j)² K̃_j v_jᵀ``
 the outer one's (decay ``a²``, keys ``K̃_t = S_t q_t``), ``U_t = a_t² U_{t-1} + S_t q_t v_tᵀ``.
-Packed documents (``segment_ids``, SPEC §8): the state resets at every document start,
+Packed documents (``segment_ids``, docs/math.md#packed-documents): the state resets at every document start,
 ``g = −∞`` there (``hla_forms.dispatch``), in every form.  The recurrent, chunked and Pallas
 forms start from an ``initial_state`` (a ``State``) and can return the final one (from the
 chain's two LA passes in the chunked and Pallas forms).
@@ -35,7 +36,7 @@ IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
 
 
 class State(NamedTuple):
-    """Recurrent state, each ``[B,H,...]``, the SPEC §7 chain's two LA states:
+    """Recurrent state, each ``[B,H,...]``, the two LA states of the chain (docs/math.md#chains):
     ``S = Σ D k kᵀ: d×d`` and ``U = S C − G = Σ_j D(t,j)² (S_j q_j) v_jᵀ: d×dv`` (``d×(dv+1)``
     when normalised: the last column is the denominator's ``S m − h``)."""
     S: jax.Array
@@ -46,7 +47,7 @@ class Summary(NamedTuple):
     """Segment summary ``(ρ, S, C, G)`` with any leading axes ``[...]``.
 
     ``ρ: [...]`` is the product of the segment's decays ``a``; ``S: [...,d,d]``,
-    ``C, G: [...,d,dv]``.  SPEC's twins ``m, h`` are the last columns of ``C, G`` for ``[V | 1]``.
+    ``C, G: [...,d,dv]``.  the normaliser's states ``m, h`` are the last columns of ``C, G`` for ``[V | 1]``.
     """
     rho: jax.Array
     S: jax.Array
@@ -69,7 +70,7 @@ def readout(s: Summary, q, *, normalize: bool = False, eps: float = 1e-6):
 
 
 def step(state: State, q_t, k_t, v_t, g_t=None, *, normalize: bool = False, eps: float = 1e-6):
-    """One token of the recurrence (SPEC §1, the ``U = S C − G`` form); ``q_t, k_t: [B,H,d]``,
+    """One token of the recurrence (docs/math.md#hla2, the ``U = S C − G`` form); ``q_t, k_t: [B,H,d]``,
     ``v_t: [B,H,dv]``, ``g_t: [B,H]``.
 
         S ← a S + k kᵀ        U ← a² U + (S q) vᵀ   (the CURRENT S)        o = qᵀ U
@@ -117,7 +118,8 @@ def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
     chain on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``:
     the mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
     ``ops.sequence``).  ``segment_ids [B,T]`` int: packed documents, each run as if alone
-    (SPEC §8; every impl).  ``initial_state`` (a ``State``, the layout of ``init_state``) and
+    (docs/math.md#packed-documents; every impl).  ``initial_state`` (a ``State``, the layout of
+    ``init_state``) and
     ``return_final_state`` (recurrent, chunked, pallas, auto; not with ``seq_axis``): start from
     a state (the row's first token continues it) and return ``(o, final_state)``.
     """

@@ -1,4 +1,4 @@
-"""Third-order HLA, SPEC.md §3, two semantics (``mask="causal"`` is the default).
+"""Third-order HLA, docs/math.md#hla3, two semantics (``mask="causal"`` is the default).
 
 causal:  o_t = Σ_{u≤t} Σ_{i,j≤u} D(t,i) D(t,u) D(u,j) (q_t·k_i)(q_u·k_i)(q_u·k_j) v_j
          (= ((W_g Wᵀ) ∘ Γ)(W_g V); without decay (((W Wᵀ) ∘ L) W) V)
@@ -9,7 +9,7 @@ optionally ratio-normalised: ``o_t / clamp_signed(den_t, eps)``, ``den`` the sam
 replaced by 1.  Both operators are linear in V, so the normalised form runs once on ``[V | 1]``
 (``dv + 1`` columns): the last column of every ``d×dv`` state is its ``mK`` twin (P -> mK).
 Forms that agree: ``reference``, ``recurrent`` (``step`` = decode step), token-level associative
-``scan`` (``combine``), ``chunked``.  The causal ``chunked`` form is SPEC §7's chain of two
+``scan`` (``combine``), ``chunked``.  The causal ``chunked`` form is the chain (docs/math.md#chains) of two
 first-order linear-attention passes (``chains.hla3``: ``LA(q, K̃, Ṽ; 2g)`` with
 ``[K̃ | Ṽ] = LA(q, k, [k | v]; g)``) over XLA's chunked LA, and "pallas" the same chain over the
 Pallas LA kernel; the decode state is the chain's LA states: ``S = Σ D k kᵀ`` and
@@ -17,7 +17,8 @@ Pallas LA kernel; the decode state is the chain's LA states: ``S = Σ D k kᵀ``
 one's (decay ``a²``, ``K̃_t = S_t q_t``, ``Ṽ_t = P_tᵀ q_t``).  The ``paper`` mask does not factor
 so: its chunked form is ``paper_chunk`` scanned over chunks, whose carry is the recurrent
 ``PaperState``.
-Packed documents (``segment_ids``, SPEC §8), every form: causal resets its state through the
+Packed documents (``segment_ids``, docs/math.md#packed-documents), every form: causal resets its state
+through the
 gate, ``g = −∞`` at every document start (``hla_forms.dispatch``); ``paper`` has no decay, so its
 forms cut at the starts themselves: the reference zeroes the cross-document entries of QKᵀ
 (``paper_reference``), the recurrence restarts from the empty state, the scan's combine is
@@ -389,7 +390,8 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="aut
     on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``: the
     mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
     ``ops.sequence``).  ``segment_ids [B,T]`` int: packed documents, each run as if alone
-    (SPEC §8; every impl, both masks).  ``initial_state`` (``State``, or ``PaperState`` for
+    (docs/math.md#packed-documents; every impl, both masks).  ``initial_state`` (``State``, or
+    ``PaperState`` for
     ``paper``: the layout of ``init_state`` / ``paper_init_state``) and ``return_final_state``
     (recurrent, chunked, pallas, auto; not with ``seq_axis``): start from a state (the row's
     first token continues it) and return ``(o, final_state)``.

@@ -2,11 +2,12 @@
 
 A family (``hla2``, ``ahla``, ``hla3`` causal and paper) supplies its mathematics as a ``Family``:
 ``init_state``, ``step``, ``token_summaries``, ``combine``, ``readout``, the quadratic
-``reference``, and its ``chunked`` form (for hla2, ahla and causal hla3 the SPEC §7 chain of
+``reference``, and its ``chunked`` form (for hla2, ahla and causal hla3 the chain (docs/math.md#chains) of
 first-order LA passes, ``chains.over_xla``) and ``pallas`` form (``chains.over_pallas``, or
 ``None``).  The drivers are jitted once with the family static.
 
-Packed documents (SPEC §8, ``segment_ids: [B,T]`` int): a decayed family (``decayed=True``:
+Packed documents (docs/math.md#packed-documents, ``segment_ids: [B,T]`` int): a decayed family
+(``decayed=True``:
 hla2, ahla, causal hla3) resets its state through its gate, ``g = −∞`` at every document start
 (``common.reset_gate``), which every form of it takes exactly; the ``paper`` mask has no decay, so
 its forms take the starts themselves (``starts: [B,T]`` bool, ``common.doc_starts``): the

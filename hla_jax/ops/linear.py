@@ -67,7 +67,8 @@ def linear_attention(q, k, v, g=None, *, segment_ids=None, initial_state=None,
     pallas (``hla_jax.kernels.la_pallas``; interpret mode on CPU) | auto (the kernel on a GPU
     for all-bf16 inputs without ``seq_axis``, ``common.pallas_preferred``; else chunked).
     ``seq_axis``: the mesh axis the time axis is sharded over (``ops.sequence``).
-    ``segment_ids [B,T]`` int: packed documents (SPEC §8), the state is reset (``g = -inf``) at
+    ``segment_ids [B,T]`` int: packed documents (docs/math.md#packed-documents), the state is reset (``g
+    = -inf``) at
     each document start.  ``initial_state [B,H,d,dv]`` and ``return_final_state`` (recurrent,
     chunked, pallas): start from a state (the row's first token continues it) and return
     ``(o, final_state)`` in the layout of ``init_state``/``step``, so a prompt is prefilled in one

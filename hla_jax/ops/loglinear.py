@@ -1,4 +1,5 @@
-"""Log-linear Mamba-2 and (log-linear) Gated DeltaNet: the first-order state-space core (SPEC §4).
+"""Log-linear Mamba-2 and (log-linear) Gated DeltaNet: the first-order state-space core
+(docs/math.md#loglinear).
 
 One core covers four operators.  A token's transition is ``A_t = a_t`` (Mamba-2, stored as
 ``[..., 1, 1]``) or ``A_t = a_t (I − β_t k_t k_tᵀ)`` (Gated DeltaNet, ``[..., d, d]``), and it
@@ -10,7 +11,8 @@ writes ``X_t = k_t β_t v_tᵀ`` (β = 1 for Mamba-2).  Then
 With every λ = 1 the log-linear operator is the plain one; the plain forms here are the same
 code with the level split switched off (``lam=None``: one state, plain cost).
 
-Packed documents (SPEC §8, ``segment_ids: [B,T]`` int): every form equals the operator run on
+Packed documents (docs/math.md#packed-documents, ``segment_ids: [B,T]`` int): every form equals the
+operator run on
 each document alone.  The transition of a document's first token is zero (``g = -inf``, so no
 state crosses a start) and the log-linear levels count from it,
 ``ℓ(t,s) = bit_length((t−t0) XOR (s−t0))``.  States (``init_state``/``step``, and the recurrent,
@@ -89,7 +91,7 @@ def _segmented_states(A, X, reset, axis=1):
 
 
 def scan(q, k, v, g, beta=None, lam=None, segment_ids=None):
-    """Token-level associative scan with ``combine`` (SPEC §4 "Token-level scan form").
+    """Token-level associative scan with ``combine`` (docs/math.md#loglinear-scan).
 
     Plain: one scan, ``o_t = q_tᵀ H_t``.  Log-linear: level 0 is the token itself; for level
     ℓ ≥ 1 the bucket of query t (present when bit ℓ−1 of its position p is 1) is the aligned
@@ -196,7 +198,8 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     ``log_levels``: ``lam`` is required and ``chunk_size`` must be a power of two;
     ``gate_required=False``: ``g=None`` means no decay; ``seq_axis``: the mesh axis the time
     axis is sharded over, inside ``jax.shard_map`` (chunked only; ``ops.sequence``);
-    ``segment_ids [B,T]``: packed documents (SPEC §8: the state is reset with ``g = -inf`` at
+    ``segment_ids [B,T]``: packed documents (docs/math.md#packed-documents: the state is reset with ``g =
+    -inf`` at
     each document start, and the log-linear levels count from it); ``initial_state`` /
     ``return_final_state``: the recurrent, chunked and Pallas forms start from a state in
     ``init_state``'s layout and return ``(o, final_state)`` (the log-linear kernels through
@@ -282,7 +285,8 @@ def loglinear_mamba2(q, k, v, g, lam, *, segment_ids=None, initial_state=None,
     """``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} D(t,s) (q_t·k_s) v_s``; ``lam: [B,T,H,L ≥ ⌈log2 T⌉+1]``
     (``T`` the global length under ``seq_axis``).
 
-    ``segment_ids [B,T]`` int: packed documents (SPEC §8), each computed as if alone: the
+    ``segment_ids [B,T]`` int: packed documents (docs/math.md#packed-documents), each computed as if
+    alone: the
     levels count from its first token, ``ℓ(t,s) = bit_length((t−t0) XOR (s−t0))``.
     ``initial_state`` / ``return_final_state`` (recurrent, chunked, pallas): start from a
     ``LevelState(H: [L,B,H,d,dv], t: [B])`` (``init_state``/``step``'s layout; the row's first

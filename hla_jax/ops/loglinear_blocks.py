@@ -1,4 +1,5 @@
-"""The block form of log-linear Mamba-2 (SPEC §4) on the grid of positions: every level at once,
+"""The block form of log-linear Mamba-2 (docs/math.md#loglinear) on the grid of positions: every level at
+once,
 no scan over chunks.
 
 Chunk ``n' < n`` is at level ``lc + 1 + j`` (``c = 2^lc``), ``j = bit_length(n XOR n') − 1``:

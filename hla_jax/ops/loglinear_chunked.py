@@ -1,4 +1,4 @@
-"""The chunked form of the first-order SSM core (``ops.loglinear``, SPEC §4): matmuls inside
+"""The chunked form of the first-order SSM core (``ops.loglinear``, docs/math.md#loglinear): matmuls inside
 chunks of ``c`` tokens, chunk states across them, for plain Mamba-2 / Gated DeltaNet (an exclusive
 scan of chunk summaries) and their log-linear versions (a binary counter of chunk-level states,
 on the grid of positions or, for packed documents and states at any position, over

@@ -1,4 +1,5 @@
-"""The block form of log-linear Gated DeltaNet (SPEC §4) on the grid of positions: every level at
+"""The block form of log-linear Gated DeltaNet (docs/math.md#loglinear) on the grid of positions: every
+level at
 once, no scan over chunks.
 
 As in log-linear Mamba-2's (``ops.loglinear_blocks``), chunk ``n' < n`` is at level ``lc + 1 + j``

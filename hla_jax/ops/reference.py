@@ -1,7 +1,7 @@
 """Quadratic reference operators: the oracles every fast path is tested against.
 
 Each materialises T×T matrices (or, for Gated DeltaNet, a scan over a ``[T, d]`` matrix of
-propagated keys) straight from the definitions of SPEC.md, with none of the algebra of the fast
+propagated keys) straight from the definitions in docs/math.md, with none of the algebra of the fast
 forms.  Inputs ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g, beta: [B,T,H]``, ``lam: [B,T,H,L]``;
 outputs ``[B,T,H,dv]`` in the state dtype (float32, or float64 under x64).
 """

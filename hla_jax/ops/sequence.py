@@ -12,7 +12,7 @@ nothing).  Each first-order family then
    ``i < j`` in device order, giving the incoming prefix ``p_j = s_0 ⊕ … ⊕ s_{j−1}``;
 4. computes its local outputs with ``p_j`` in front of every chunk prefix (``chunk_prefixes``).
 
-hla2, ahla and causal hla3 are chains of two first-order LA passes (SPEC §7, ``ops.chains``),
+hla2, ahla and causal hla3 are chains of two first-order LA passes (docs/math.md#chains, ``ops.chains``),
 each of them sequence-parallel this way (two dependent all-gathers, one per pass).
 
 The backward pass is the transpose of the same program (the transpose of ``all_gather`` is a

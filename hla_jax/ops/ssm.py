@@ -52,7 +52,7 @@ def readout(H, q, lam=None):
 
 
 class LevelState(NamedTuple):
-    """Decode state of the log-linear operators (SPEC §4).
+    """Decode state of the log-linear operators (docs/math.md#loglinear).
 
     ``H: [L,B,H,d,dv]``: ``H[ℓ]`` holds the keys at level ℓ of the last token (``H[0]`` the
     token itself), carried through the transitions up to it; ``t: [B] int32``: the position of
@@ -75,7 +75,7 @@ def step(state, q, k, v, g, beta=None, lam=None):
     """One token; returns ``(o_t, new_state)``.
 
     ``q, k: [B,H,d]``, ``v: [B,H,dv]``, ``g, beta: [B,H]``, ``lam: [B,H,L]`` (None: plain).
-    Log-linear (SPEC §4), at each row's position ``t = state.t``: carry the binary counter,
+    Log-linear (docs/math.md#loglinear), at each row's position ``t = state.t``: carry the binary counter,
     ``H[ℓ] ← A_t H[ℓ]`` for every ℓ, ``H[0] = k_t β_t v_tᵀ``, ``o_t = Σ_ℓ λ_t^ℓ H[ℓ]ᵀ q_t``,
     ``t ← t + 1``.  Plain (``state: [B,H,d,dv]``): ``H ← A_t H + k_t β_t v_tᵀ``.
     ``A_t H = a_t (H − β_t k_t (k_tᵀ H))`` is applied as a rank-one update (O(d·dv) per state).

@@ -36,7 +36,7 @@ def base_config() -> ml_collections.ConfigDict:
         norm_eps=1e-6,              # RMSNorm epsilon
         output_gate="silu",         # mixer output gate: silu | sigmoid | none
         hla_decay=True,             # learned Mamba-style log-decay gate in linear/HLA mixers
-        hla_normalize=False,        # ratio-normalised HLA (SPEC §1 `normalize`)
+        hla_normalize=False,        # ratio-normalised HLA (docs/math.md#hla2 `normalize`)
         hla_conv=True,              # short conv on q, k, v in linear/HLA mixers (as SSM mixers)
     ))
     c.data = ml_collections.ConfigDict(dict(
