@@ -20,10 +20,11 @@ train: $(STAMP)
 	$(PY) -m hla_jax.main --config=$(CONFIG) --workdir=$(WORKDIR)
 
 test: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	$(PY) -m pytest -q -n 2 --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hla_jax tests experiments configs notebooks
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs build .pytest_cache .hypothesis

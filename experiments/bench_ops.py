@@ -1,8 +1,8 @@
 """Forward+backward cost of every operator's chunked form at long context.
 
-    python experiments/bench_ops.py                       # CPU defaults of the operator issues
-    python experiments/bench_ops.py --only hla2,ahla --repeats 5
-    python experiments/bench_ops.py --impls chunked,reference,pallas --shape B=1024,H=1,T=256,d=64,dv=64 \
+    python -m experiments.bench_ops                       # every operator at its default shape
+    python -m experiments.bench_ops --only hla2,ahla --repeats 5
+    python -m experiments.bench_ops --impls chunked,reference,pallas --shape B=1024,H=1,T=256,d=64,dv=64 \
         --tag mqar   # which form is fastest at MQAR's shape (4 stacked models of batch 256)
 
 For each operator: median wall time of ``jax.grad`` of a scalar loss with respect to every
@@ -10,7 +10,8 @@ input (forward + backward), and the peak memory XLA's buffer assignment gives th
 program (arguments + outputs + temporaries, ``compiled.memory_analysis()``). The chunked form
 must never hold a T×T array: at T=16384 one float32 T×T matrix per head is 1 GiB, at
 T=65536 it is 16 GiB. Results are written to ``experiments/results/bench_ops_<backend>.json``
-after every operator (a run cut short keeps what it measured) and printed as a Markdown table.
+(with its provenance) after every operator (a run cut short keeps what it measured) and printed
+as a Markdown table.
 ``--impls`` times each operator in several forms (a form an operator cannot take at that shape
 is recorded with its error), ``--shape`` replaces every operator's shape, ``--tag`` names the
 file ``bench_ops_<backend>_<tag>.json``.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
 import statistics
@@ -31,9 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from experiments import common
 from hla_jax import ops
-
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 # name -> (forward+backward target, shape)
 HLA = dict(B=1, H=4, T=16384, d=64, dv=64)
@@ -108,8 +107,7 @@ def write(path, rows) -> dict:
     record = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
               "host": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
               "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "rows": rows}
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+    common.write_json(path, record)
     return record
 
 
@@ -122,7 +120,7 @@ def main(argv=None):
     p.add_argument("--impls", default="chunked", help="comma-separated forms (ops' impl=)")
     p.add_argument("--shape", default="", help="e.g. B=1024,H=1,T=256,d=64,dv=64 for every op")
     p.add_argument("--tag", default="", help="file bench_ops_<backend>_<tag>.json")
-    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--out", default=str(common.RESULTS))
     a = p.parse_args(argv)
     names = [n for n in a.only.split(",") if n] or list(OPERATORS)
     unknown = set(names) - set(OPERATORS)
@@ -153,7 +151,8 @@ def main(argv=None):
             rows.append({"op": name, "impl": impl, **shape, "error": f"{type(e).__name__}: {e}"})
             tqdm.write(f"{name} ({impl}): {rows[-1]['error']}")
         record = write(path, rows)  # after every row: a run cut short keeps what it measured
-    print(f"\n{record['device']} ({backend}), {a.dtype}, forward+backward, median of {a.repeats}")
+    print(f"\n{common.provenance_line()}\n\n{record['device']} ({backend}), {a.dtype}, "
+          f"forward+backward, median of {a.repeats}")
     print("| op | impl | B | H | T | d | dv | median s | peak MiB | × plain (time / memory) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -1,17 +1,17 @@
 """Prefill of a long prompt: one parallel pass (the chunked forms' final states) against the
-serial recurrence it replaced.
+serial recurrence.
 
-    python experiments/bench_prefill.py                          # T=4096, CPU defaults
-    python experiments/bench_prefill.py --mixers hla2 --T 8192 --repeats 5
+    python -m experiments.bench_prefill                          # T=4096
+    python -m experiments.bench_prefill --mixers hla2 --T 8192 --repeats 5
 
 For each mixer, a small LM (``--layers`` blocks, d_model ``--d_model``, heads of 64, float32) runs
 ``LM.prefill`` over a ``[1, T]`` prompt twice: with ``impl="auto"`` (every mixer's outputs and
 final decode state from its chunked form in one pass, ``return_final_state``) and with
-``impl="recurrent"`` (the state from a ``lax.scan`` of the decode step over the T tokens, the
-path ``generate`` took before).  Reported: median wall time after compilation, the longest loop
-in each program's jaxpr (T for the serial path, T / chunk for the parallel one) and whether the
-two give the same logits and decode state.  Results: ``experiments/results/bench_prefill_<backend>.json``
-and ``.md``.
+``impl="recurrent"`` (the state from a ``lax.scan`` of the decode step over the T tokens).
+Reported: median wall time after compilation, the longest loop in each program's jaxpr (T for
+the serial path, T / chunk or none for the parallel one) and whether the two give the same
+logits and decode state.  Results: ``experiments/results/bench_prefill_<backend>.json`` and
+``.md``, with their provenance.
 """
 
 from __future__ import annotations
@@ -21,19 +21,16 @@ import os
 import pathlib
 import platform
 import statistics
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from experiments import common  # noqa: E402
-from hla_jax.nn import LM, ModelConfig  # noqa: E402
+from experiments import common
+from hla_jax.nn import LM, ModelConfig
 
 MIXERS = "hla2,ahla,hla3,mamba2,gated_deltanet,loglinear_mamba2,loglinear_gated_deltanet"
 
@@ -115,8 +112,7 @@ def main(argv=None):
     name = f"bench_prefill_{jax.default_backend()}"
     common.write_json(out / f"{name}.json", {"settings": vars(args), "device": device,
                                              "mixers": records})
-    (out / f"{name}.md").write_text(md + "\n")
-    print(md)
+    print(common.write_markdown(out / f"{name}.md", md))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,20 @@
 """Shared pieces of the experiment scripts: configs by file, quiet training runs, checkpoint
-loading through the trainer's own machinery, results JSON, Markdown tables and figures."""
+loading through the trainer's own machinery, results JSON with their provenance, Markdown
+tables and figures."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import json
 import os
 import pathlib
+import shlex
 import subprocess
+import sys
+import time
 
 import jax
 import ml_collections
@@ -123,13 +128,67 @@ def locked(folder):
         os.close(fd)  # closing releases the lock
 
 
-def write_json(path, obj):
-    """Write atomically (a crash mid-sweep never leaves a truncated results file)."""
+@functools.cache
+def git_commit() -> str:
+    """``git rev-parse HEAD`` of the repository, ``-dirty`` appended when a tracked file outside
+    ``experiments/results`` has changes (the results a run rewrites do not count); ``unknown``
+    outside a git checkout (or without git)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                            ":!experiments/results") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def command_line() -> str:
+    """This process's command, as it was typed: ``python -m experiments.NAME ARGS`` for a module
+    run with ``-m``, else ``python SCRIPT ARGS``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+    return shlex.join(head + sys.argv[1:])
+
+
+def provenance(command: str | None = None, device: bool = True) -> dict:
+    """Where a result comes from: the commit (``git_commit``), the UTC time, the command line
+    (``command``, default ``command_line()``), the JAX version and, with ``device``, the first
+    device's kind and platform and the device count (this starts JAX's backend: a process that
+    must leave the accelerator to its children passes ``device=False``)."""
+    out = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "command": command or command_line(), "jax": jax.__version__}
+    if device:
+        d = jax.devices()[0]
+        out.update(device=d.device_kind, platform=d.platform, device_count=jax.device_count())
+    return out
+
+
+def provenance_line(p: dict | None = None) -> str:
+    """One Markdown line of ``provenance()`` (or of ``p``), the header of a results table."""
+    p = p or provenance()
+    where = (f", {p['device']} ({p['platform']}) x{p['device_count']}" if "device" in p else "")
+    return f"Commit `{p['commit']}`, jax {p['jax']}{where}, {p['date']}: `{p['command']}`"
+
+
+def write_json(path, obj, prov: dict | None = None):
+    """Write a results file atomically (a crash mid-sweep never leaves a truncated one); a dict
+    gets ``prov`` (default: this call's ``provenance()``) under ``"provenance"``."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(obj, dict):
+        obj = {**obj, "provenance": prov or provenance()}
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=False))
     os.replace(tmp, path)
+
+
+def write_markdown(path, text: str, p: dict | None = None) -> str:
+    """Write a results table with ``provenance_line`` above it; returns what was written."""
+    text = provenance_line(p) + "\n\n" + text.rstrip("\n") + "\n"
+    pathlib.Path(path).write_text(text)
+    return text
 
 
 def fmt(x, digits: int = 1, scale: float = 100.0) -> str:

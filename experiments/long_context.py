@@ -1,9 +1,9 @@
 """Long-context language modelling: one recipe for every mixer, then loss by position up to twice
 the training length and needle-in-a-haystack retrieval at it and beyond.
 
-    python experiments/long_context.py --tag h200                 # configs/lm.py size=30m, 8 mixers
-    python experiments/long_context.py --mixers softmax,hla2 --tag h200 --budget 400   # resumable
-    python experiments/long_context.py --size tiny --steps 20 --mixers softmax,mamba2 --tag try
+    python -m experiments.long_context --tag h200                 # configs/lm.py size=30m, 8 mixers
+    python -m experiments.long_context --mixers softmax,hla2 --tag h200 --budget 400   # resumable
+    python -m experiments.long_context --size tiny --steps 20 --mixers softmax,mamba2 --tag try
 
 Each mixer trains ``configs/lm.py`` at ``--size`` (30m: d 512, 10 layers, T=4096, batch 8, 1000
 steps, bf16) with the mixer's defaults, the same data, steps, schedule and seed, on plain rows of
@@ -17,7 +17,8 @@ out of distribution for a model of source code, and all of them scored 0 there).
 trainer's train-loss curve (every ``train.log_every`` steps), its eval losses (at the end, and
 every ``--eval_every`` steps), median tokens/s and final eval loss are kept beside them.
 
-Resumable: results go to ``<out>/long_context_<tag>.{json,png,md}`` after every mixer, and a mixer
+Resumable: results go to ``<out>/long_context_<tag>.json``, ``.png`` and ``.md`` after every mixer
+(each mixer's entry with the ``provenance`` of the call that trained it), and a mixer
 already in the tag's JSON is skipped (the JSON refuses other settings), so several calls with
 ``--mixers`` subsets or ``--budget S`` (no mixer starts after S seconds) build one table. A mixer
 whose training stops on a non-finite loss is recorded under ``failed`` with the trainer's message
@@ -35,14 +36,12 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from experiments import common, niah, position_loss  # noqa: E402
-from hla_jax.data import corpus  # noqa: E402
-from hla_jax.nn.lm import param_count  # noqa: E402
+from experiments import common, niah, position_loss
+from hla_jax.data import corpus
+from hla_jax.nn.lm import param_count
 
 MIXERS = "softmax,mamba2,loglinear_mamba2,gated_deltanet,loglinear_gated_deltanet,hla2,ahla,hla3"
 
@@ -215,9 +214,7 @@ def plot(res: dict):
 def write(res: dict, out: pathlib.Path, tag: str) -> str:
     common.write_json(out / f"long_context_{tag}.json", res)
     common.save(plot(res), out / f"long_context_{tag}.png")
-    md = table(res)
-    (out / f"long_context_{tag}.md").write_text(md + "\n")
-    return md
+    return common.write_markdown(out / f"long_context_{tag}.md", table(res))
 
 
 def main(argv=None) -> dict:
@@ -247,14 +244,14 @@ def main(argv=None) -> dict:
         except FloatingPointError as e:  # recorded, the later mixers still run; retried next call
             spent = time.perf_counter() - start
             res.setdefault("failed", {})[mixer] = {"error": str(e), "wall_s": spent,
-                                                   "device": jax.devices()[0].device_kind}
+                                                   "provenance": common.provenance()}
             md = write(res, out, args.tag)
             print(f"{mixer}: failed after {spent:.0f} s: {e}", flush=True)
             continue
         res["runs"][mixer] = {**evaluate(args, workdir, c.data.seq_len),
                               **({"resumed_at": resumed} if resumed else {}),
                               "wall_s": time.perf_counter() - start,
-                              "device": jax.devices()[0].device_kind}
+                              "provenance": common.provenance()}
         res.get("failed", {}).pop(mixer, None)
         md = write(res, out, args.tag)
         print(f"{mixer}: {res['runs'][mixer]['wall_s']:.0f} s", flush=True)

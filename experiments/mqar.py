@@ -1,14 +1,14 @@
 """MQAR sweep in the log-linear paper's setup (Guo et al. 2025, after Zoology, Arora et al. 2023).
 
-    python experiments/mqar.py --tag zoology --time_budget 500  # Zoology's protocol: 9 mixers x
+    python -m experiments.mqar --tag zoology --time_budget 500  # Zoology's protocol: 9 mixers x
                                 # dims 16/32/64 x pairs 4..64 x 4 lrs; stops cleanly before 500 s,
                                 # and the same command again goes on exactly where it stopped
-    python experiments/mqar.py --protocol quick --mixers hla2,softmax --dims 16 --pairs 4 --tag try
-    python experiments/mqar.py --mixture --tag zoology_mix ...  # one model per lr on all pair counts
-    python experiments/mqar.py --shard 0/4 ...   # one of 4 processes (every 4th cell)
-    python experiments/mqar.py --merge ...       # fold the shard files into mqar_<tag>.json
+    python -m experiments.mqar --protocol quick --mixers hla2,softmax --dims 16 --pairs 4 --tag try
+    python -m experiments.mqar --mixture --tag zoology_mix ...  # one model per lr on all pair counts
+    python -m experiments.mqar --shard 0/4 ...   # one of 4 processes (every 4th cell)
+    python -m experiments.mqar --merge ...       # fold the shard files into mqar_<tag>.json
                                                  # (their mixers and dims pooled)
-    python experiments/mqar.py --processes 9 --mps ...  # 9 shard processes on one GPU, then merge
+    python -m experiments.mqar --processes 9 --mps ...  # 9 shard processes on one GPU, then merge
 
 Protocol (``--protocol``, recorded in the JSON settings; ``--steps``, ``--batch``,
 ``--eval_every`` override its numbers): ``zoology`` (default) is Zoology's MQAR budget: T=256,
@@ -17,8 +17,7 @@ head, AdamW (weight decay 0.1) with warmup (``--warmup``, -1 = min(500, steps/10
 learning rates ``np.logspace(-4, -2, 4)`` (1e-4, 4.6e-4, 2.2e-3, 1e-2), an eval every 500 steps
 and early stopping at 99% eval accuracy. Our batches are fresh draws (batch ``step`` a pure
 function of (seed, split, step)) where Zoology cycles through a fixed 100k. ``quick``: batch 64,
-2000 steps, the budget of the first recorded sweep (``mqar_h200``; it had no early stop and
-three lrs: ``--target 0 --lrs 4.6e-4,2.2e-3,1e-2`` redo it).
+2000 steps: a short probe, far from converged.
 
 One *cell* = (mixer, dim): its (pairs, lr) models, 5 x 4 = 20 by default, train as ONE jitted
 *program* (at most ``--group`` models each; the groups are fixed, so a resumed cell finds its
@@ -58,12 +57,13 @@ start of ``main``): it checkpoints, writes the results so far and exits 0. It ke
 slowest setup left on top, and a call always takes at least one step.
 
 Results: ``<out>/mqar_<tag>.json`` (settings; every run, its ``seconds`` the program's time
-shared out; per-program timings, ms/step included, under ``cells``; the best table, from each
-run's final or stopped-at accuracy; the paper's numbers; under ``partial``, the models a
---time_budget cut while still training, with their last eval and ``cut_at``, until a later call
-finishes them: what a call learnt survives even when its checkpoint does not),
-``mqar_<tag>.png`` (accuracy vs pairs, one panel per dim) and ``mqar_<tag>.md`` (the Markdown
-tables, also printed), written after every program (a model that stopped early as soon as its
+shared out and the ``provenance`` of the call that finished it; per-program timings, ms/step
+included, under ``cells``; the best table, from each run's final or stopped-at accuracy; the
+paper's numbers; under ``partial``, the models a --time_budget cut while still training, with
+their last eval and ``cut_at``, until a later call finishes them: what a call learnt survives
+even when its checkpoint does not), ``mqar_<tag>.png`` (accuracy vs pairs, one panel per dim)
+and ``mqar_<tag>.md`` (a provenance line, then the Markdown tables, also printed), written
+after every program (a model that stopped early as soon as its
 program ends or the budget cuts it).
 Runs already recorded (in the tag's JSON or any of its shard files) are skipped. ``--shard i/n``
 takes every n-th cell of the grid, the same cells in every call (shards may run together or one
@@ -91,19 +91,17 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import tqdm  # noqa: E402
-
-from experiments import common  # noqa: E402
-from hla_jax import data as data_lib  # noqa: E402
-from hla_jax.data.synthetic import MQARMixture  # noqa: E402
-from hla_jax.nn import MIXERS  # noqa: E402
-from hla_jax.train import stacked  # noqa: E402
-from hla_jax.train.steps import eval_summary  # noqa: E402
+from experiments import common
+from hla_jax import data as data_lib
+from hla_jax.data.synthetic import MQARMixture
+from hla_jax.nn import MIXERS
+from hla_jax.train import stacked
+from hla_jax.train.steps import eval_summary
 
 PAPER_MIXERS = ("softmax", "mamba2", "loglinear_mamba2", "gated_deltanet",
                 "loglinear_gated_deltanet", "linear", "hla2", "ahla", "hla3")
@@ -121,7 +119,7 @@ ZOOLOGY_LRS = "1e-4,4.6e-4,2.2e-3,1e-2"
 SWEPT = {"mixers": "mixer", "dims": "dim", "lrs": "lr"}   # the settings' sweep axes, a run's keys
 PROTOCOLS = {  # Zoology: 64 epochs x 100k examples / batch 256 = 25,000 steps
     "zoology": {"steps": 25_000, "batch": 256, "eval_every": 500},
-    "quick": {"steps": 2_000, "batch": 64, "eval_every": 500},  # the first recorded sweep
+    "quick": {"steps": 2_000, "batch": 64, "eval_every": 500},  # a short probe
 }
 # --time_budget: seconds kept for the last checkpoint and results (plus twice the slowest save);
 # a new program starts only with twice the slowest setup (init + compile) left on top
@@ -482,7 +480,7 @@ class Program:
                "lr": lr, "steps": int(self.bad_step[j]) if div else stop or self.step,
                **{k: mean(k) for k in SUMMARY},
                "train_loss": None if div else float(self.train_loss[j]), "diverged": div,
-               "stopped_at": stop or None, "seconds": seconds,
+               "stopped_at": stop or None, "seconds": seconds, "provenance": common.provenance(),
                "curve": {"step": [s for s, _ in curve],
                          "accuracy": [float(np.mean([e["accuracy"] for e in ev.values()]))
                                       for _, ev in curve]}}
@@ -651,9 +649,7 @@ def finish(res: dict, out: pathlib.Path, tag: str) -> str:
                     "assumption": "paper value per dim read as the mean over pair counts"}
     common.write_json(out / f"mqar_{tag}.json", res)
     common.save(plot(res), out / f"mqar_{tag}.png")
-    md = tables(res)
-    (out / f"mqar_{tag}.md").write_text(md + "\n")
-    return md
+    return common.write_markdown(out / f"mqar_{tag}.md", tables(res))
 
 
 def programs_of(args, ckpt_dir, mixer, dim, done) -> list[tuple]:
@@ -675,10 +671,11 @@ def programs_of(args, ckpt_dir, mixer, dim, done) -> list[tuple]:
 
 
 def launch(args, argv) -> dict:
-    """``--processes n``: the command as ``n`` shard processes at once (``--shard i/n``, their
-    output in ``<tmp>/mqar_<tag>.shard<i>of<n>.log``, a bar counting the finished ones), then
-    their merge. ``--mps`` first starts the CUDA MPS daemon: nine MQAR processes on an H200 ran
-    about 1.8x the steps/s they ran time-sliced."""
+    """``--processes n``: the command as ``n`` shard processes at once (``python -m
+    experiments.mqar ... --shard i/n`` from the repository root, their output in
+    ``<tmp>/mqar_<tag>.shard<i>of<n>.log``, a bar counting the finished ones), then their merge.
+    ``--mps`` first starts the CUDA MPS daemon, so the processes' kernels share the GPU side by
+    side instead of taking turns (results page: the MQAR runs)."""
     n = args.processes
     rest = [a for j, a in enumerate(argv) if not (
         a in ("--mps", "--processes") or a.startswith("--processes=") or argv[j - 1:j] == ["--processes"])]
@@ -689,8 +686,9 @@ def launch(args, argv) -> dict:
     procs = []
     for i, log in enumerate(logs):
         with open(log, "a") as f:
-            procs.append(subprocess.Popen([sys.executable, __file__, *rest, "--shard", f"{i}/{n}"],
-                                          stdout=f, stderr=subprocess.STDOUT, env=env))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "experiments.mqar", *rest, "--shard", f"{i}/{n}"],
+                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=common.ROOT))
     print(f"{n} shard processes, logs {logs[0].parent}/mqar_{args.tag}.shard*of{n}.log")
     with tqdm.tqdm(total=n, desc="shard processes done") as bar:
         while bar.n < n:

@@ -1,15 +1,16 @@
 """Multi-GPU runs: sequence-parallel operators, exactness of sharded training, LM throughput.
 
-    python experiments/multi_gpu.py ops     # hla2, loglinear_mamba2 with T sharded over N devices
-    python experiments/multi_gpu.py exact   # data × sequence meshes reproduce one-device losses
-    python experiments/multi_gpu.py train   # the ~150M LM with mesh.sequence=N
+    python -m experiments.multi_gpu ops     # hla2, loglinear_mamba2 with T sharded over N devices
+    python -m experiments.multi_gpu exact   # data × sequence meshes reproduce one-device losses
+    python -m experiments.multi_gpu train   # the ~150M LM with mesh.sequence=N
 
 Each part writes ``<out>/multi_gpu_<part>_<device>.json`` and ``.md`` (``<device>``: the device
-kind and count, e.g. ``NVIDIA_H200x2``) after every measurement, so a run cut off keeps what
-finished, and prints the table at the end. Rows are keyed by ``name``; rows of an earlier run
-with other names stay in the file (``train --mixers hla2`` then ``--mixers loglinear_mamba2``
-fill one file). ``--devices N``: the first N local devices (default all); ``--budget S``: no new
-measurement starts after S seconds (those left are listed under ``not_run``).
+kind and count, e.g. ``NVIDIA_H200x2``; with their provenance) after every measurement, so a run
+cut off keeps what finished, and prints the table at the end. Rows are keyed by ``name``; rows
+of an earlier run with other names stay in the file (``train --mixers hla2`` then ``--mixers
+loglinear_mamba2`` fill one file). ``--devices N``: the first N local devices (default all);
+``--budget S``: no new measurement starts after S seconds (those left are listed under
+``not_run``).
 
 ops    ``ops.hla2`` (no decay, as in the LM) and ``ops.loglinear_mamba2``, ``impl="chunked"``,
        ``[B,T,H,d]`` inputs (``--dtype``, default bf16), H=16, d=dv=128, T=131072: forward +
@@ -17,7 +18,8 @@ ops    ``ops.hla2`` (no decay, as in the LM) and ``ops.loglinear_mamba2``, ``imp
        time axis sharded over N devices (``jax.shard_map`` over mesh axis "sequence",
        ``seq_axis="sequence"``) against the same call unsharded on one device at T/N (the
        per-device shapes), and the all-gather bytes received per device, read from the lowered
-       sharded forward, against ``(P−1)·B·H·|s|·4`` (README "Sequence (context) parallelism").
+       sharded forward, against ``(P−1)·B·H·|s|·4`` (``|s|``: the floats of one device's summary
+       per batch row and head, ``OPS``).
 exact  a small float32 LM (``configs/lm.py`` tiny, ``--pattern hla2+loglinear_mamba2``) trained
        ``--steps`` steps on ``mesh.sequence=N`` and, for N >= 4, ``mesh.data=2 ×
        mesh.sequence=N/2``, against one device: max relative loss difference per step, pass
@@ -39,15 +41,15 @@ inside about 8 minutes.
 
 2 × H200: two commands, about 3-4 and 6-7 minutes:
 
-    python experiments/multi_gpu.py ops --budget 300 && python experiments/multi_gpu.py exact
-    python experiments/multi_gpu.py train --budget 360
+    python -m experiments.multi_gpu ops --budget 300 && python -m experiments.multi_gpu exact
+    python -m experiments.multi_gpu train --budget 360
 
 4 × H200: the same two commands, about 3-4 and 6-7 minutes (T=131072 is 32768 tokens per device
 for the operators; the LM's context stays 32768, 8192 per device; ``exact`` adds data=2 ×
 sequence=2):
 
-    python experiments/multi_gpu.py ops --budget 300 && python experiments/multi_gpu.py exact
-    python experiments/multi_gpu.py train --budget 360
+    python -m experiments.multi_gpu ops --budget 300 && python -m experiments.multi_gpu exact
+    python -m experiments.multi_gpu train --budget 360
 """
 
 from __future__ import annotations
@@ -61,19 +63,17 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, SingleDeviceSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from experiments import common  # noqa: E402
-from hla_jax import ops  # noqa: E402
-from hla_jax.nn import LM, ModelConfig, param_count  # noqa: E402
-from hla_jax.ops import fenwick  # noqa: E402
-from hla_jax.train import read_metrics, train_and_evaluate  # noqa: E402
+from experiments import common
+from hla_jax import ops
+from hla_jax.nn import LM, ModelConfig, param_count
+from hla_jax.ops import fenwick
+from hla_jax.train import read_metrics, train_and_evaluate
 
 # name -> (operator on (q, k, v, g, lam), |s| per batch row and head as text and as f(d, dv, L))
 OPS = {
@@ -147,7 +147,7 @@ class Results:
 
     def write(self):
         common.write_json(f"{self.stem}.json", {**self.head, "rows": self.rows})
-        pathlib.Path(f"{self.stem}.md").write_text(self.table() + "\n")
+        common.write_markdown(f"{self.stem}.md", self.table())
 
 
 def attempt(measure) -> dict:

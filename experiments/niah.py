@@ -1,8 +1,8 @@
 """Needle-in-a-haystack retrieval at several context lengths for trained ``configs/niah.py``
 checkpoints: single needle, and one needle among distractor needles.
 
-    python experiments/niah.py --workdirs runs/niah-hla2,runs/niah-softmax --lengths 512,1024,2048
-    python experiments/niah.py --train --mixers softmax,hla2 --train_seq_len 256 --steps 300 --tag tiny
+    python -m experiments.niah --workdirs runs/niah-hla2,runs/niah-softmax --lengths 512,1024,2048
+    python -m experiments.niah --train --mixers softmax,hla2 --train_seq_len 256 --steps 300 --tag tiny
 
 single: ``hla_jax.data.NIAH`` at length T (the training task, possibly longer than trained).
 multi:  ``MultiNIAH``: the same haystack and question, plus ``--needles - 1`` distractor needles
@@ -15,26 +15,24 @@ is tested as trained (the trainer has no multi-needle data kind to train on).
 Accuracy per digit (``accuracy``) and per whole number (``row_accuracy``), from the trainer's
 ``make_eval_step`` on ``--examples`` examples per cell. Softmax lengths beyond the checkpoint's
 ``max_seq_len`` (RoPE table) are recorded as null. ``--train`` first trains ``configs/niah.py``
-per mixer into ``--workroot``. Writes ``niah_<tag>.{json,png,md}`` under ``--out``.
+per mixer into ``--workroot``. Writes ``niah_<tag>.json``, ``.png`` and ``.md`` under ``--out``, with
+their provenance.
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from experiments import common  # noqa: E402
-from hla_jax import data as data_lib  # noqa: E402
-from hla_jax.data.synthetic import NIAH  # noqa: E402
-from hla_jax.train.steps import eval_summary, masked_sums  # noqa: E402
+from experiments import common
+from hla_jax import data as data_lib
+from hla_jax.data.synthetic import NIAH
+from hla_jax.train.steps import eval_summary, masked_sums
 
 DISTRACTOR_KEYS = ("lucky", "secret", "special", "hidden", "winning", "chosen", "best", "first")
 
@@ -228,9 +226,7 @@ def main(argv=None) -> dict:
     out = pathlib.Path(args.out)
     common.write_json(out / f"niah_{args.tag}.json", res)
     common.save(plot(res), out / f"niah_{args.tag}.png")
-    md = table(res)
-    (out / f"niah_{args.tag}.md").write_text(md + "\n")
-    print(md)
+    print(common.write_markdown(out / f"niah_{args.tag}.md", table(res)))
     return res
 
 

@@ -1,7 +1,7 @@
 """Loss against token position for trained LM checkpoints of several mixers.
 
-    python experiments/position_loss.py --workdirs runs/lm-hla2,runs/lm-softmax --tag lm
-    python experiments/position_loss.py --train --mixers softmax,mamba2,hla2 --steps 400 --tag tiny
+    python -m experiments.position_loss --workdirs runs/lm-hla2,runs/lm-softmax --tag lm
+    python -m experiments.position_loss --train --mixers softmax,mamba2,hla2 --steps 400 --tag tiny
 
 For each checkpoint (the newest in each ``train_and_evaluate`` workdir, restored with the
 trainer's ``init_state`` + ``Checkpointer``), the next-token loss of ``--batches`` held-out batches
@@ -11,23 +11,20 @@ averaged per position ``t`` (masked targets only) and in power-of-two buckets
 tokens/s, last train and eval loss; ``common.train_summary``). A mixer that uses long context
 well keeps lowering its loss at late positions; a fixed-size state flattens out. ``--train`` first trains
 ``configs/lm.py`` (``size=tiny`` with the overrides below) for each mixer into ``--workroot``.
-Writes ``position_loss_<tag>.{json,png,md}`` under ``--out``.
+Writes ``position_loss_<tag>.json``, ``.png`` and ``.md`` under ``--out``, with their provenance.
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import jax.numpy as jnp
+import numpy as np
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from experiments import common  # noqa: E402
-from hla_jax import data as data_lib  # noqa: E402
+from experiments import common
+from hla_jax import data as data_lib
 
 
 def parse_args(argv=None):
@@ -130,9 +127,7 @@ def main(argv=None) -> dict:
     out = pathlib.Path(args.out)
     common.write_json(out / f"position_loss_{args.tag}.json", res)
     common.save(plot(res), out / f"position_loss_{args.tag}.png")
-    md = table(res)
-    (out / f"position_loss_{args.tag}.md").write_text(md + "\n")
-    print(md)
+    print(common.write_markdown(out / f"position_loss_{args.tag}.md", table(res)))
     return res
 
 

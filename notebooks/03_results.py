@@ -14,11 +14,12 @@
 # ---
 
 # %% [markdown]
-# # Results: MQAR, kernel benchmarks, long-context LMs, loss by position, NIAH
+# # Results: kernels, LM throughput, MQAR, long-context LMs, loss by position, NIAH
 #
-# Everything here is read from `experiments/results/` (written by the scripts in
-# `experiments/`); nothing is trained or timed in this notebook. A result file that does not
-# exist yet is named with the command that produces it.
+# Everything here is read from `experiments/results/` (written by the experiment scripts,
+# `python -m experiments.NAME`); nothing is trained or timed in this notebook. A result file
+# that does not exist yet is named with the command that produces it. `docs/results.md` presents
+# the same files with their devices, dates and commits.
 
 # %%
 import io
@@ -26,14 +27,13 @@ import json
 import pathlib
 import sys
 
-import matplotlib.pyplot as plt
 from IPython.display import Image, Markdown, display
 
 ROOT = next(p for p in (pathlib.Path.cwd(), *pathlib.Path.cwd().parents) if (p / "experiments").is_dir())
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "experiments" / "results"
 
-from experiments import common, long_context, mqar, niah, position_loss  # noqa: E402
+from experiments import common, long_context, mqar, niah, plot_kernels, position_loss  # noqa: E402
 
 
 def load(pattern, command):
@@ -52,78 +52,65 @@ def show(fig):
     display(Image(buf.getvalue()))
 
 
+def markdown(path):
+    """Display a results table (``.md``) or check log (``.txt``) as it was written."""
+    text = path.read_text()
+    display(Markdown(text if path.suffix == ".md" else f"```text\n{text}```"))
+
+
+# %% [markdown]
+# ## Kernel speed
+#
+# GPU (H200): our Pallas kernels against cuDNN attention and the `jax-linear-attention` wheel's
+# kernels, forward / forward+backward ms at a fixed token budget, one table per benchmark run
+# (`python -m experiments.kernels.bench_kernels`), and the time against T of the methods the
+# docs compare (`python -m experiments.plot_kernels`).
+
+# %%
+for path in load("kernels_bench*.json", "python -m experiments.kernels.bench_kernels"):
+    display(Markdown(f"### {path.name}"))
+    markdown(path.with_suffix(".md"))
+if all((RESULTS / f).exists() for f, _ in plot_kernels.PANELS.values()):
+    show(plot_kernels.plot({title: (f, json.loads((RESULTS / f).read_text()), methods)
+                            for title, (f, methods) in plot_kernels.PANELS.items()}))
+
+# %% [markdown]
+# The kernels against float64 references on the GPU (`python -m experiments.kernels.check_kernels_gpu`):
+# every case's verdict per file.
+
+# %%
+for path, res in load("kernels_check_gpu*.json", "python -m experiments.kernels.check_kernels_gpu").items():
+    cases = res["cases"]
+    print(f"{path.name}: {sum(c['passed'] for c in cases)} of {len(cases)} cases pass "
+          f"({', '.join(sorted({c['case']['kernel'] for c in cases}))})")
+
+# %% [markdown]
+# ## LM throughput
+#
+# ~150M-parameter byte LMs at context 8192 (`python -m experiments.train_throughput`): every row
+# of each device's file; the rows measured together share `run`.
+
+# %%
+for path, res in load("train_throughput_*.json", "python -m experiments.train_throughput").items():
+    ok = [r for r in res["rows"] if "tokens_per_s" in r]
+    name = lambda r: r["mixer"] + ("" if r.get("pack", True) else " (plain rows)")  # noqa: E731
+    display(Markdown(f"### {path.name}\n\n" + common.markdown_table(
+        ["mixer", "steps", "run", "params", "tokens/s", "MFU", "peak GiB"],
+        [[name(r), r["steps"], r.get("run") or "–", f"{r['params'] / 1e6:.1f}M",
+          f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%", f"{r['peak_bytes'] / 2**30:.1f}"]
+         for r in ok])))
+
 # %% [markdown]
 # ## MQAR
 #
-# Accuracy per query at the best learning rate, next to the log-linear paper's numbers
-# (see `experiments/mqar.py` for how those are read). `mqar_h200` is the H200 sweep at 2000
-# steps (all 27 cells); `mqar_h200_hla_conv` the linear and HLA mixers with a short conv;
-# `mqar_h200_hla_decay` hla2 with a learned decay; `mqar_zoology_*` Zoology's budget with early
-# stopping (`mqar_zoology_mix_bf16`, `_d32`, `_d16`: bf16, one lr, d=64, 32, 16); `mqar_probe_*` cut short;
-# `mqar_cpu_*` and `mqar_h200_probe` are small pipeline checks, not the paper's setup.
+# Zoology's protocol on the H200, one model per (mixer, dim, lr) on all pair counts: accuracy at
+# the best of four learning rates, next to the log-linear paper's numbers (`experiments/mqar.py`
+# says how those are read), one file per model dim.
 
 # %%
-for path, res in load("mqar_*.json", "python experiments/mqar.py").items():
+for path, res in load("mqar_*.json", "python -m experiments.mqar --mixture").items():
     display(Markdown(f"### {path.name}\n\n" + mqar.tables(res)))
     show(mqar.plot(res))
-
-# %% [markdown]
-# ## Kernel benchmarks
-#
-# GPU (H200): our Pallas kernels against our XLA chunked paths, cuDNN attention and the `jla`
-# wheel's kernels, forward / forward+backward ms at a fixed token budget.
-
-# %%
-for res in load("kernels_bench.json", "python experiments/bench_kernels.py").values():
-    md = RESULTS / "kernels_bench.md"
-    display(Markdown(md.read_text() if md.exists() else res["note"]))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method in dict.fromkeys(r["method"] for r in res["rows"]):
-        pts = sorted((r["T"], r["fwd_bwd_ms"]) for r in res["rows"]
-                     if r["method"] == method and "fwd_bwd_ms" in r)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=method)
-    ax.set(xscale="log", yscale="log", xlabel="T (B·T fixed)", ylabel="fwd+bwd ms",
-           title=f"{res['device']}, {res['dtype']}, H={res['H']}, d={res['d']}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    plt.show()
-
-# %% [markdown]
-# ## Training throughput
-#
-# ~150M-parameter byte LMs at context 8192, 100 steps each (`experiments/train_throughput.py`).
-
-# %%
-for res in load("train_throughput_*.json", "python experiments/train_throughput.py").values():
-    ok = [r for r in res["rows"] if "tokens_per_s" in r]
-    name = lambda r: r["mixer"] + ("" if r.get("pack", True) else " (plain rows)")  # noqa: E731
-    display(Markdown(common.markdown_table(
-        ["mixer", "params", "tokens/s", "MFU", "peak GiB", "final loss"],
-        [[name(r), f"{r['params'] / 1e6:.1f}M", f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%",
-          f"{r['peak_bytes'] / 2**30:.1f}", f"{r['final_loss']:.3f}"] for r in ok])))
-    fig, ax = plt.subplots(figsize=(6, 3))
-    ax.barh([name(r) for r in ok], [r["tokens_per_s"] for r in ok])
-    ax.set(xlabel=f"tokens/s ({ok[0]['device']}, T={ok[0]['seq_len']})")
-    ax.invert_yaxis()
-    plt.show()
-
-# %% [markdown]
-# CPU (2 cores): each operator's chunked form, median seconds of one forward.
-
-# %%
-for res in load("bench_ops_cpu.json", "python experiments/bench_ops.py").values():
-    rows = res["rows"]
-    table = common.markdown_table(
-        ["op", "B", "H", "T", "d", "median s", "peak MB"],
-        [[r["op"], r["B"], r["H"], r["T"], r["d"], f"{r['median_s']:.3f}",
-          f"{r.get('peak_bytes', 0) / 2**20:.0f}"] for r in rows])
-    display(Markdown(f"{res['device']}, jax {res['jax']}, {res['cpu_count']} cores\n\n{table}"))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.barh([f"{r['op']} (T={r['T']}, H={r['H']})" for r in rows], [r["median_s"] for r in rows])
-    ax.set(xlabel="median s")
-    ax.invert_yaxis()
-    plt.show()
 
 # %% [markdown]
 # ## Long-context language modelling
@@ -133,7 +120,7 @@ for res in load("bench_ops_cpu.json", "python experiments/bench_ops.py").values(
 # minus true needle), and the training curves.
 
 # %%
-for path, res in load("long_context_*.json", "python experiments/long_context.py").items():
+for path, res in load("long_context_*.json", "python -m experiments.long_context").items():
     display(Markdown(f"### {path.name}\n\n" + long_context.table(res)))
     show(long_context.plot(res))
 
@@ -141,11 +128,33 @@ for path, res in load("long_context_*.json", "python experiments/long_context.py
 # ## Loss by position and needle retrieval
 
 # %%
-for path, res in load("position_loss_*.json", "python experiments/position_loss.py --train").items():
+for path, res in load("position_loss_*.json", "python -m experiments.position_loss --train").items():
     display(Markdown(f"### {path.name}\n\n" + position_loss.table(res)))
     show(position_loss.plot(res))
 
 # %%
-for path, res in load("niah_*.json", "python experiments/niah.py --train").items():
+for path, res in load("niah_*.json", "python -m experiments.niah --train").items():
     display(Markdown(f"### {path.name}\n\n" + niah.table(res)))
     show(niah.plot(res))
+
+# %% [markdown]
+# ## CPU costs of the chunked forms, and prefill
+#
+# Forward+backward time and peak memory of every operator's chunked form
+# (`python -m experiments.bench_ops`), and a long prompt's prefill in one parallel pass against
+# the serial recurrence (`python -m experiments.bench_prefill`).
+
+# %%
+for path, res in load("bench_ops_*.json", "python -m experiments.bench_ops").items():
+    display(Markdown(f"### {path.name}: {res['device']}, jax {res['jax']}, {res['cpu_count']} cores\n\n"
+                     + common.markdown_table(
+                         ["op", "B", "H", "T", "d", "median s", "peak MiB", "× plain (time / memory)"],
+                         [[r["op"], r["B"], r["H"], r["T"], r["d"], f"{r['median_s']:.3f}",
+                           f"{r['peak_bytes'] / 2**20:.0f}",
+                           f"{r['time_ratio_to_plain']:.2f} / {r['memory_ratio_to_plain']:.2f}"
+                           if "time_ratio_to_plain" in r else ""] for r in res["rows"]])))
+
+# %%
+for path in load("bench_prefill_*.json", "python -m experiments.bench_prefill"):
+    display(Markdown(f"### {path.name}"))
+    markdown(path.with_suffix(".md"))

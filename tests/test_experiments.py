@@ -1,15 +1,18 @@
-"""Smoke runs of the experiment scripts at tiny settings: results JSON, PNG and Markdown table
-(MQAR: tests/test_mqar_experiment.py)."""
+"""Smoke runs of the experiment scripts at tiny settings: results JSON (with its provenance), PNG
+and Markdown table (MQAR: tests/test_mqar_experiment.py); the kernel tools on a CPU."""
 
 import json
 import pathlib
+import re
 import statistics
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from experiments import bench_ops, long_context, niah, position_loss  # noqa: E402
 from hla_jax.data import ByteTokenizer, corpus  # noqa: E402
@@ -17,10 +20,12 @@ from hla_jax.data import ByteTokenizer, corpus  # noqa: E402
 
 def _outputs(out, stem):
     res = json.loads((out / f"{stem}.json").read_text())
+    assert set(res["provenance"]) >= {"commit", "date", "command", "jax", "device", "platform",
+                                      "device_count"}
     png = (out / f"{stem}.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / f"{stem}.md").read_text()
-    assert md.count("|---|") >= 1
+    assert md.startswith("Commit `") and md.count("|---|") >= 1
     return res, md
 
 
@@ -158,7 +163,7 @@ def test_bench_ops_times_several_forms_at_one_shape(tmp_path):
 def test_bench_kernels_interleaves_rounds(tmp_path):
     """``--rounds 3``: each method of an input set keeps three rounds of medians, forward and
     forward+backward, and its time is their median."""
-    from experiments import bench_kernels
+    from experiments.kernels import bench_kernels
 
     bench_kernels.main(["--shape", "2,16,32", "--T", "64", "--tokens", "128", "--repeats", "1",
                         "--rounds", "3", "--methods", "mamba2_pallas,mamba2_xla_chunked",
@@ -174,7 +179,7 @@ def test_bench_kernels_runs_a_tiny_shape(tmp_path, monkeypatch):
     """The kernel benchmark end to end on a tiny shape (interpret mode here: the times mean
     nothing on a CPU): rows, the target ratios, JSON and Markdown under ``--name``; a method
     whose import fails is reported unavailable, not a crash."""
-    from experiments import bench_kernels
+    from experiments.kernels import bench_kernels
 
     monkeypatch.setitem(sys.modules, "jla", None)  # as if the wheel were not installed
     bench_kernels.main(["--shape", "2,16,32", "--T", "64", "--tokens", "128", "--repeats", "1",
@@ -214,115 +219,6 @@ def test_bench_kernels_runs_a_tiny_shape(tmp_path, monkeypatch):
                             "--out", str(tmp_path)])
 
 
-def test_bench_gdn_inverse_swaps_the_solve_for_the_doubling_inverse(tmp_path):
-    """The UT-inverse benchmark on a tiny shape (the times mean nothing on a CPU): both inverses
-    timed for chunk_terms and the two operators, and the outputs agree between them (so the
-    patched solve was the one used, and it computes the same function)."""
-    from experiments import bench_gdn_inverse
-
-    res = bench_gdn_inverse.main(["--T", "64", "--tokens", "128", "--shape", "2,16,32", "--chunk",
-                                  "16", "--repeats", "1", "--out", str(tmp_path), "--name", "tiny"])
-    assert json.loads((tmp_path / "tiny.json").read_text())["rel_diff"] == res["rel_diff"]
-    names = ("chunk_terms",) + bench_gdn_inverse.OPERATORS
-    assert set(res["rows"]) == {f"{n}/{k}" for n in names for k in ("solve", "doubling")}
-    assert all(r["fwd_bwd_ms"] > 0 and "error" not in r for r in res["rows"].values())
-    assert all(0 < d < 1e-5 for d in res["rel_diff"].values()), res["rel_diff"]
-
-
-def test_bench_gdn_blocks_parts_times_each_part(tmp_path):
-    """The block form's parts benchmark on a tiny shape (the times mean nothing on a CPU): both
-    chunk terms, every part timed forward and forward+backward (the kernel row's output, XLA's
-    window and levels), and the record written."""
-    from experiments import bench_gdn_blocks_parts
-
-    res = bench_gdn_blocks_parts.main(["--T", "128", "--tokens", "128", "--shape", "1,16,64",
-                                       "--repeats", "1", "--out", str(tmp_path), "--name", "tiny"])
-    assert json.loads((tmp_path / "tiny.json").read_text()) == json.loads(json.dumps(res))
-    assert [r["terms"] for r in res["rows"]] == ["kernel", "xla"]
-    kernel, xla = res["rows"]
-    assert all(t > 0 for part in ("chunk_parts", "output", "whole") for t in kernel[part])
-    assert all(t > 0 for part in ("chunk_parts", "window", "levels", "whole") for t in xla[part])
-    assert "output" not in xla and "window" not in kernel
-
-
-def test_bench_gdn_parts_times_each_step_in_the_interpreters(tmp_path):
-    """The Gated DeltaNet parts benchmark on a tiny shape in Pallas' interpreters (the times mean
-    nothing on a CPU): the five steps, the core forward and backward, the record; with each
-    sequence in two pieces, the maps walk and the reverse walk without residuals too."""
-    from experiments import bench_gdn_parts
-
-    timed = ("ut_fwd", "walk_out", "walk_rev", "grads", "ut_bwd", "fwd", "bwd", "gates")
-    for pieces in (1, 2):
-        row = bench_gdn_parts.main(["--T", "128", "--tokens", "128", "--shape", "1,64,64",
-                                    "--repeats", "1", "--interpret", "--pieces", str(pieces),
-                                    "--out", str(tmp_path), "--name", f"tiny{pieces}"])
-        assert json.loads((tmp_path / f"tiny{pieces}.json").read_text()) == json.loads(json.dumps(row))
-        more = ("walk_maps", "walk_rev_own") if pieces > 1 else ()
-        assert all(row[name] > 0 for name in timed + more) and row["pieces"] == pieces, row
-        assert pieces > 1 or "walk_maps" not in row
-    with pytest.raises(SystemExit):
-        bench_gdn_parts.main(["--T", "128", "--tokens", "128", "--pieces", "3", "--interpret"])
-
-
-def test_gdn_gate_error_records_each_length(tmp_path):
-    """The error-by-length run on one short T in the interpreters: every output and gradient's
-    relative error recorded, all of them small, and the table written."""
-    from experiments import gdn_gate_error
-
-    res = gdn_gate_error.main(["--T", "100", "--gate", "reset", "--out", str(tmp_path),
-                               "--name", "tiny"])
-    assert json.loads((tmp_path / "tiny.json").read_text()) == json.loads(json.dumps(res))
-    (row,) = res["rows"]
-    assert set(row["rel"]) == {"out", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
-    assert all(0 < e < 3e-2 for e in row["rel"].values()), row
-    assert (tmp_path / "tiny.md").read_text().splitlines()[-1].startswith("| 100 | ")
-
-
-def test_profile_gdn_summary_reads_ncu_csv(tmp_path):
-    """The ncu summary: the five steps in launch order, XLA's fusions left out, counters read
-    with their thousands separators; a profile missing a step is refused, naming what it found."""
-    from experiments import profile_gdn
-
-    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
-    kernels = ["kernel", "loop_broadcast_fusion", "gdn_walk_out_mosaic_gpu_kernel",
-               "gdn_walk_rev_mosaic_gpu_kernel", "kernel", "kernel"]
-    lines = ["==PROF== Connected", header]
-    for i, name in enumerate(kernels):
-        lines += [f'"{i}","{name}","Duration","ns","{1000 * (i + 1):,}"',
-                  f'"{i}","{name}","Local Memory Spilling Requests","","{i * 1_000_000:,}"']
-    (tmp_path / "ncu.csv").write_text("\n".join(lines) + "\n")
-    table = profile_gdn.summary(str(tmp_path / "ncu.csv")).splitlines()
-    assert [r.split(" | ")[0].lstrip("| ") for r in table[2:]] == list(profile_gdn.STEPS)
-    assert table[-1].startswith("| ut_bwd | kernel | 6 | – | 5,000,000 |")
-    (tmp_path / "short.csv").write_text("\n".join(lines[:-2]) + "\n")
-    with pytest.raises(ValueError, match="expected 5 kernels of ours"):
-        profile_gdn.summary(str(tmp_path / "short.csv"))
-
-
-def test_trace_gdn_blocks_reads_kernels_from_a_perfetto_trace():
-    """The trace table: the GPU's kernel events only (not the host's), averaged over the calls by
-    launch position, each fusion named from the optimized HLO; a trace that does not split into
-    the calls is refused."""
-    from experiments import trace_gdn_blocks
-
-    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
-              {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}},
-              {"ph": "X", "pid": 7, "ts": 0, "dur": 99, "name": "host_op"}]
-    for call in range(2):
-        for i, (name, dur) in enumerate((("loop_add_fusion_1", 10 + call), ("kernel__3", 30))):
-            events.append({"ph": "X", "pid": 1, "ts": 100 * call + i, "dur": dur, "name": name,
-                           "args": {"kernel_details": "regs:24 grid:8,16,2 block:128,1,1"}})
-    hlo = ('  %loop_add_fusion.1 = f32[8,16]{1,0} fusion(%a, %b), kind=kLoop, '
-           'metadata={op_name="jit(f)/transpose(jvp())/add_any"}\n')
-    rows = trace_gdn_blocks.kernels(events, hlo, calls=2)
-    assert [(r["name"], r["us"], r["grid"]) for r in rows] == [("loop_add_fusion_1", 10.5, "8,16,2"),
-                                                              ("kernel__3", 30.0, "8,16,2")]
-    assert rows[0]["shape"] == "f32[8,16]{1,0}" and rows[0]["op"].endswith("add_any")
-    assert trace_gdn_blocks.table(rows).splitlines()[-1] == "2 kernels, 0.04 ms a call"
-    with pytest.raises(ValueError, match="do not split into 3"):
-        trace_gdn_blocks.kernels(events, hlo, calls=3)
-
-
 def test_set_overrides_the_trained_config_and_names_it():
     """``--set KEY=VALUE`` (mqar.py, and the ``--train`` of position_loss.py / niah.py): typed
     values on dotted keys; the run's label names the HLA options it turned on."""
@@ -334,3 +230,136 @@ def test_set_overrides_the_trained_config_and_names_it():
     assert (c.model.hla_decay, c.model.hla_conv, c.optim.learning_rate, c.train.num_steps) == (
         True, True, 2e-3, 7)
     assert common.label(c) == "hla2 (decay, conv)"
+
+
+def test_results_record_their_provenance(tmp_path, monkeypatch):
+    """``common.provenance``: the commit (``-dirty`` for changes outside experiments/results,
+    ``unknown`` outside git), the command, JAX and the device; ``write_json`` stamps it into
+    every results dict and ``write_markdown`` puts its line above a table."""
+    import jax
+
+    from experiments import common
+
+    p = common.provenance()
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?|unknown", p["commit"])
+    assert (p["jax"], p["device"], p["platform"], p["device_count"]) == (
+        jax.__version__, jax.devices()[0].device_kind, jax.devices()[0].platform, jax.device_count())
+    assert p["command"].startswith("python ") and "device" not in common.provenance(device=False)
+    common.write_json(tmp_path / "r.json", {"rows": [1]})
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["rows"] == [1] and res["provenance"]["commit"] == p["commit"]
+    md = common.write_markdown(tmp_path / "r.md", "| a |\n|---|\n| 1 |", res["provenance"])
+    assert md == (tmp_path / "r.md").read_text() == (
+        f"Commit `{p['commit']}`, jax {p['jax']}, {p['device']} ({p['platform']}) "
+        f"x{p['device_count']}, {res['provenance']['date']}: `{p['command']}`\n\n| a |\n|---|\n| 1 |\n")
+
+    def commit_of(root):
+        monkeypatch.setattr(common, "ROOT", root)
+        common.git_commit.cache_clear()
+        return common.git_commit()
+
+    repo = tmp_path / "repo"
+    (repo / "experiments" / "results").mkdir(parents=True)
+    assert commit_of(repo) == "unknown"
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c",  # noqa: E731
+                                     "user.email=t@t", *a], check=True, capture_output=True)
+    for f in ("code.py", "experiments/results/r.json"):
+        (repo / f).write_text("1")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    head = git("rev-parse", "HEAD").stdout.decode().strip()
+    (repo / "experiments" / "results" / "r.json").write_text("2")  # a result rewritten: clean
+    assert commit_of(repo) == head
+    (repo / "code.py").write_text("2")
+    assert commit_of(repo) == head + "-dirty"
+    common.git_commit.cache_clear()
+
+
+def test_profile_kernels_tables_a_method_on_cpu(tmp_path):
+    """``python -m experiments.kernels.profile_kernels`` on a CPU at a tiny shape: a trace of
+    an XLA method, one row per kernel (thunk) of one call, named after the HLO instruction, and
+    the table written with its provenance."""
+    cmd = [sys.executable, "-m", "experiments.kernels.profile_kernels", "--method",
+           "mamba2_xla_chunked", "--T", "32", "--tokens", "64", "--shape", "1,8,8", "--calls", "2",
+           "--out", str(tmp_path), "--name", "tiny"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "tiny.json").read_text())
+    assert res["provenance"]["command"] == "python -m " + " ".join(cmd[2:])
+    assert (res["B"], res["T"], res["pass"]) == (2, 32, "fwd_bwd") and len(res["kernels"]) > 3
+    assert all(k["us"] > 0 and k["shape"] for k in res["kernels"])
+    md = (tmp_path / "tiny.md").read_text()
+    assert md.startswith("Commit `") and md.rstrip().endswith("ms a call")
+
+
+def test_profile_kernels_reads_gpu_kernels_from_a_perfetto_trace():
+    """On a GPU trace: the GPU's kernel events only (not the host's), averaged over the calls by
+    launch position, each fusion named from the optimized HLO; a trace that does not split into
+    the calls is refused."""
+    from experiments.kernels import profile_kernels
+
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 7, "ts": 0, "dur": 99, "name": "host_op"}]
+    for call in range(2):
+        for i, (name, dur) in enumerate((("loop_add_fusion_1", 10 + call), ("kernel__3", 30))):
+            events.append({"ph": "X", "pid": 1, "ts": 100 * call + i, "dur": dur, "name": name,
+                           "args": {"kernel_details": "regs:24 grid:8,16,2 block:128,1,1"}})
+    hlo = ('  %loop_add_fusion.1 = f32[8,16]{1,0} fusion(%a, %b), kind=kLoop, '
+           'metadata={op_name="jit(f)/transpose(jvp())/add_any"}\n')
+    rows = profile_kernels.kernels(events, hlo, calls=2)
+    assert [(r["name"], r["us"], r["grid"]) for r in rows] == [("loop_add_fusion_1", 10.5, "8,16,2"),
+                                                              ("kernel__3", 30.0, "8,16,2")]
+    assert rows[0]["shape"] == "f32[8,16]{1,0}" and rows[0]["op"].endswith("add_any")
+    assert profile_kernels.table(rows).splitlines()[-1] == "2 kernels, 0.041 ms a call"
+    with pytest.raises(ValueError, match="do not split into 3"):
+        profile_kernels.kernels(events, hlo, calls=3)
+
+
+def test_plot_kernels_draws_the_methods_that_exist(tmp_path):
+    """One panel per benchmark file, one line per method ``bench_kernels`` still knows (a row of
+    a removed method is left out), written as a PNG."""
+    from experiments import plot_kernels
+
+    rows = [{"method": m, "T": T, "B": 1, "fwd_ms": 1.0, "fwd_bwd_ms": T / 1000}
+            for m in ("mamba2_pallas", "cudnn_causal", "hla2_fused") for T in (2048, 8192)]
+    res = {"device": "cpu", "H": 1, "d": 8, "dv": 8, "tokens": 8192, "rows": rows}
+    (tmp_path / "bench.json").write_text(json.dumps(res))
+    fig = plot_kernels.plot({"tiny": ("bench.json", res, None)})
+    assert [line.get_label() for line in fig.axes[0].lines] == [
+        plot_kernels.LABELS[m][0] for m in ("mamba2_pallas", "cudnn_causal")]
+    out = plot_kernels.main(["--files", str(tmp_path / "bench.json"), "--out", str(tmp_path / "k.png")])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_throughput_runs_each_mixer_in_its_own_process(tmp_path):
+    """``python -m experiments.train_throughput`` at a tiny size on the CPU: each mixer trains in
+    a child ``python -m`` process, and its row carries the child's device and this command."""
+    cmd = [sys.executable, "-m", "experiments.train_throughput", "--mixers", "softmax,hla2",
+           "--steps", "2", "--d_model", "128", "--layers", "1", "--seq_len", "32", "--batch", "2",
+           "--set", "model.hla_conv=false", "--logdir", str(tmp_path / "logs"), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "train_throughput_cpu.json").read_text())
+    assert [r["mixer"] for r in res["rows"]] == ["softmax", "hla2"]
+    for r in res["rows"]:
+        assert r["tokens_per_s"] > 0 and r["set"] == ["model.hla_conv=false"]
+        assert r["provenance"]["device"] == "cpu" and r["provenance"]["command"].startswith(
+            "python -m experiments.train_throughput --mixers softmax,hla2 ")
+    assert "device" not in res["provenance"]  # the parent leaves the accelerator to its children
+    assert "| hla2 model.hla_conv=false |" in proc.stdout
+
+
+def test_check_kernels_gpu_records_the_cases_it_picks(tmp_path):
+    """The GPU check's cases by index (here one small float32 case, the kernels in their
+    interpreters on a CPU): the case's index, verdict and errors, written with provenance."""
+    from experiments.kernels import check_kernels_gpu
+
+    assert check_kernels_gpu.main(["--cases", "11", "--out", str(tmp_path), "--name", "t"]) == 0
+    res = json.loads((tmp_path / "t.json").read_text())
+    (case,) = res["cases"]
+    assert case["index"] == 11 and case["passed"] and case["case"]["kernel"] == "hla2"
+    assert set(case["errors"]) == {"out", "dq", "dk", "dv", "dg"} and "provenance" in res
+    txt = (tmp_path / "t.txt").read_text().splitlines()
+    assert txt[0].startswith("Commit `") and txt[2].startswith("11: PASS hla2 ")

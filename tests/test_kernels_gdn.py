@@ -159,7 +159,7 @@ def test_entry_refuses_what_the_kernel_does_not_take(rng):
 
 def test_default_split_only_where_at_least_four_pieces_fit(monkeypatch):
     """``pieces=None``: ``la_mgpu.pieces``' count where it reaches ``MIN_PIECES`` (4 at B=1,
-    H=16, T=65536 on the H200's 132 SMs), else 1 (2 at B=2, T=32768, slower there)."""
+    H=16, T=65536 on a 132-SM GPU), else 1 (two pieces' extra walks cost about what they save)."""
     for P, want in ((1, 1), (2, 1), (4, 4), (8, 8)):
         monkeypatch.setattr(gdn.la_mgpu, "pieces", lambda B, H, dv, N, P=P: P)
         assert gdn.default_pieces(1, 16, 128, 1024) == want

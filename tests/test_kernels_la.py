@@ -264,10 +264,10 @@ def test_loglinear_ops_dispatch(rng, name, extra):
 @pytest.mark.parametrize("name,rows,dtype,want", [
     ("loglinear_mamba2", "whole", jnp.bfloat16, "pallas"),
     ("loglinear_mamba2", "packed", jnp.bfloat16, "pallas"),
-    ("loglinear_mamba2", "state", jnp.bfloat16, "from_state"),  # faster on the H200
+    ("loglinear_mamba2", "state", jnp.bfloat16, "from_state"),  # the faster path on a GPU
     ("loglinear_mamba2", "both", jnp.bfloat16, "chunked"),
     ("loglinear_mamba2", "whole", jnp.float32, "blocks"),
-    ("loglinear_gated_deltanet", "whole", jnp.bfloat16, "gdn_blocks"),  # faster fwd+bwd on the H200
+    ("loglinear_gated_deltanet", "whole", jnp.bfloat16, "gdn_blocks"),  # faster fwd+bwd on a GPU
     ("loglinear_gated_deltanet", "packed", jnp.bfloat16, "pallas"),
     ("loglinear_gated_deltanet", "state", jnp.bfloat16, "chunked"),
     ("loglinear_gated_deltanet", "whole", jnp.float32, "gdn_blocks"),

@@ -1,6 +1,6 @@
-"""experiments/multi_gpu.py on 8 emulated CPU devices at tiny shapes: each part writes its JSON
-and Markdown table, ``ops`` measures the all-gather bytes of the README formula, ``exact``
-passes, ``train`` records tokens/s.
+"""``python -m experiments.multi_gpu`` on 8 emulated CPU devices at tiny shapes: each part writes
+its JSON and Markdown table, ``ops`` measures the all-gather bytes of the summaries' formula,
+``exact`` passes, ``train`` records tokens/s.
 
 Each part runs in its own process: the 8 devices must be set in XLA_FLAGS before jax starts.
 XLA's CPU backend optimisation is switched off there: it compiles the sharded programs about
@@ -27,15 +27,18 @@ TINY = {
 
 
 def run_part(part: str, out: pathlib.Path) -> dict:
-    """``multi_gpu.py <part>`` at the ``TINY`` settings; its results JSON."""
+    """``python -m experiments.multi_gpu <part>`` at the ``TINY`` settings; its results JSON (with
+    the provenance of that command)."""
     env = devices_env(DEVICES, JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, str(ROOT / "experiments" / "multi_gpu.py"), part, *TINY[part],
-           "--out", str(out)]
+    cmd = [sys.executable, "-m", "experiments.multi_gpu", part, *TINY[part], "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stem = out / f"multi_gpu_{part}_cpux{DEVICES}"
     assert "|---|" in stem.with_suffix(".md").read_text()
-    return json.loads(stem.with_suffix(".json").read_text())
+    res = json.loads(stem.with_suffix(".json").read_text())
+    assert res["provenance"]["command"].startswith(f"python -m experiments.multi_gpu {part} ")
+    assert res["provenance"]["device_count"] == DEVICES
+    return res
 
 
 def test_ops_bytes_equal_the_formula(tmp_path):

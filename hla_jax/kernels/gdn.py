@@ -36,17 +36,16 @@ The gate's gradient is taken in the chunk-local log-decays ``b`` (``∂L/∂g_t 
 share (``gdn_chunk``'s formulas), the pairwise decays ``Γ`` as float32 row sums minus column sums
 of one matrix of pair terms, so every pair cancels exactly in the cumulative sum, and the chunk's
 end decay ``ρ_c`` the inner product of the two states the walks keep (taken in the products
-kernel, which reads both).  (The identity
-``∂L/∂G_t = q·∂L/∂q − v·∂L/∂v`` in the global decays, with the part after each chunk carried back
-from the end, gave ``dg`` 2-9× the other gradients' error in bf16, growing with T:
-``experiments/gdn_gate_error.py``.)
+kernel, which reads both).  The gradient is not taken through the identity
+``∂L/∂G_t = q·∂L/∂q − v·∂L/∂v`` in the global decays: carrying the part after each chunk back
+from the end sums every chunk's 16-bit noise, so its error would grow with T.
 
 On a GPU it takes 16-bit ``q, k, v`` of one dtype with ``d ∈ {64, 128}`` and chunk 64 (Hopper's
-``wgmma``); on a TPU bf16 or float32 of one dtype, any ``d``, chunk 64 (UNTESTED ON TPU
-HARDWARE: no TPU was available; the tests run it in interpret mode and through Mosaic's
-lowering).  ``T`` and ``dv`` are zero-padded to multiples of 64; log-decays are floored at
-``wrap.LOG_DECAY_FLOOR`` (a reset ``g = -inf`` stays finite).  On CPU either runs in its
-interpreter.  ``ops.gated_deltanet(impl="chunked")`` serves everything else.
+``wgmma``); on a TPU bf16 or float32 of one dtype, any ``d``, chunk 64 (NEVER RUN ON TPU
+HARDWARE: the tests run it in interpret mode and through Mosaic's lowering).  ``T`` and ``dv``
+are zero-padded to multiples of 64; log-decays are floored at ``wrap.LOG_DECAY_FLOOR`` (a reset
+``g = -inf`` stays finite).  On CPU either runs in its interpreter.
+``ops.gated_deltanet(impl="chunked")`` serves everything else.
 """
 
 from __future__ import annotations
@@ -160,10 +159,9 @@ core.defvjp(_core_fwd, _core_bwd)
 def default_pieces(B, H, dv, N) -> int:
     """``pieces=None`` on a GPU: ``la_mgpu.pieces``' count (one walk CTA an SM) where it is at
     least ``MIN_PIECES``, else 1.  The split adds two walks a piece long (the maps walk, the
-    reverse walk of the own shares), so it pays only once the pieces are short: on the H200 at
-    H=16, d=dv=128 four pieces took B=1, T=65536 from 2.71 / 6.52 to 2.01 / 5.02 ms (forward /
-    forward+backward), two took B=2, T=32768 from 1.65 / 4.47 to 1.72 / 4.75
-    (``experiments/results/kernels_bench_gdn_pieces.md``)."""
+    reverse walk of the own shares), so it pays only where the pieces are short against the
+    whole sequence: with two pieces those extra walks cost about what the split saves, with
+    four or more the parallel walks win (see the kernel benchmarks on the results page)."""
     P = la_mgpu.pieces(B, H, dv, N)
     return P if P >= MIN_PIECES else 1
 

@@ -41,9 +41,9 @@ and leave per chunk the products, given the state ``S`` entering the chunk and t
 
 (``[·]_c`` at the chunk's last token; each block of keys and value tile adds its share).
 
-Every product with ``X`` or ``T`` runs on float32 operands (TF32 for bf16 inputs: a bf16 ``T``
-costs the gate's gradient, which sums such errors over a chunk, about 10%); ``K Kᵀ`` and ``dT``
-on operands of the input dtype.
+Every product with ``X`` or ``T`` runs on float32 operands (TF32 for bf16 inputs: the gate's
+gradient sums the rounding errors of a bf16 ``T`` over a chunk); ``K Kᵀ`` and ``dT`` on operands
+of the input dtype.
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ Backends:
   ``kernels/la_chunk.py`` (one float32 ``d×bv`` state per value tile), through ``wrap.core``:
   forward as a ``states`` walk plus chunk-parallel outputs, backward recomputing the states, a
   reverse walk of the state cotangent, chunk-parallel gradients; the default elsewhere on a
-  GPU, and on CPU in interpret mode.  Checked on the H200 against the reference (bf16, and
-  float32 at ``d = 128`` with ``wrap.F32_GPU_TILE`` tiles of 64);
+  GPU, and on CPU in interpret mode.  Float32 at ``d = 128`` runs with ``wrap.F32_GPU_TILE``
+  tiles of 64;
 - ``"tpu"`` (``kernels/tpu/walk.py``, Mosaic TPU): the same walks; the default on a TPU.
-  Tested in interpret mode and checked to lower only: no TPU was available.
+  Never run on TPU hardware: tested in interpret mode and checked to lower only.
 
 ``dg`` follows by autodiff of the chunk-local cumulative log-decay (``wrap.chunk_log_decay``,
 floored at ``wrap.LOG_DECAY_FLOOR`` so that a reset ``g = -inf`` stays finite).  Inputs other
@@ -38,8 +38,8 @@ from hla_jax.kernels.gpu import la_mgpu
 from hla_jax.ops.common import check_gate, check_qkv
 
 BACKENDS = ("mosaic_gpu", "triton", "tpu")
-# the walks' tuning (wrap.prepare), the fastest measured on the H200 (bf16, B=4, T=8192, H=16,
-# d=dv=128: 0.79 ms forward, 2.73 ms forward+backward; XLA chunked 2.46 / 8.10 ms)
+# the walks' tuning (wrap.prepare): value tiles of 64 forward and 128 backward, the forward as the
+# states walk plus chunk-parallel outputs (the fastest setting in the kernel benchmarks)
 WALK_TUNING = dict(block_v=64, block_v_bwd=128, parallel_forward=True)
 
 

@@ -21,15 +21,15 @@ exact, its autodiff carries ``dlw`` into ``dg`` and ``dλ``).  Kernels (``kernel
 
 O(T·c·d + T·d·dv·log(T/c)) work, every state in HBM once per level (``N`` states of ``d×dv`` in
 all, in the input dtype).  Packed documents (``segment_ids``) run on a buffer of ``2T`` tokens in
-which each document starts on an aligned block of its own (``packed``; checked on the H200); a
-row that continues a ``LevelState`` runs at its offset on a buffer of up to ``3T`` tokens, and
-one first-order pass reads the state and forms the final state (``from_state``, for both
-log-linear operators: ``ops.<op>(impl="pallas", initial_state=…)``; interpret mode only so far).
+which each document starts on an aligned block of its own (``packed``); a row that continues a
+``LevelState`` runs at its offset on a buffer of up to ``3T`` tokens, and one first-order pass
+reads the state and forms the final state (``from_state``, for both log-linear operators:
+``ops.<op>(impl="pallas", initial_state=…)``).
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
-path (Triton lowering) is checked on an H200 in bf16 and float32
-(``experiments/check_kernels_gpu.py``; float32 at ``d >= 128`` with tiles of 32,
-``wrap.F32_GPU_TILE``); the TPU path (Mosaic) passes the Mosaic lowering but runs in interpret
-mode only: no TPU was available.  Inputs other than all-bf16 run in float32; ``d`` is
+path (Triton lowering) takes bf16 and float32 (``experiments/kernels/check_kernels_gpu.py``
+checks both; float32 at ``d >= 128`` with tiles of 32, ``wrap.F32_GPU_TILE``); the TPU path
+(Mosaic) passes the Mosaic lowering but has never run on TPU hardware: the tests run it in
+interpret mode.  Inputs other than all-bf16 run in float32; ``d`` is
 zero-padded to a power of two >= 16, ``dv`` to a multiple of the value tiles, ``T`` to a
 multiple of ``chunk_size`` (a power of two >= 16).
 """

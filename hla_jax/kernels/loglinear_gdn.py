@@ -21,12 +21,13 @@ cumulative log-decay (``wrap.chunk_gate``, floored at ``LOG_DECAY_FLOOR``: a res
 stays finite), ``dlam`` through its padding and transpose.
 
 Backends: ``interpret=None`` runs compiled on GPU/TPU and in interpret mode on CPU.  The NVIDIA
-path (``kernels/gpu``, Triton lowering) passes the H200 check in bf16 and float32
-(``experiments/check_kernels_gpu.py``; float32 at ``d >= 128`` with tiles of 16,
-``wrap.F32_GPU_TILE``: Triton's shared memory); the TPU path
-(``kernels/tpu``, Mosaic) is tested in interpret mode only: no TPU was available.  Inputs
-other than all-bf16 run in float32; ``d`` is zero-padded to a power of two >= 16, ``dv`` to a
-multiple of the value tile, ``T`` to a multiple of ``chunk_size`` (a power of two >= 16).
+path (``kernels/gpu``, Triton lowering) takes bf16 and float32
+(``experiments/kernels/check_kernels_gpu.py`` checks both; float32 at ``d >= 128`` with tiles of
+16, ``wrap.F32_GPU_TILE``: Triton's shared memory); the TPU path (``kernels/tpu``, Mosaic) has
+never run on TPU hardware: the tests run it in interpret mode and through the Mosaic
+lowering.  Inputs other than all-bf16 run in float32; ``d`` is zero-padded to a power of two
+>= 16, ``dv`` to a multiple of the value tile, ``T`` to a multiple of ``chunk_size`` (a power of
+two >= 16).
 """
 
 from __future__ import annotations

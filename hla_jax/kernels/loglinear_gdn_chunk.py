@@ -169,7 +169,7 @@ def walk_forward(Qh, W, Kt, U, gc, lam, H, n, save=None):
 
     ``Qh, W [c,d]`` and ``U [c,bv]`` in the matmul dtype, ``Kt [c,d]`` float32 (its products
     in TF32 for bf16: the delta rule's ``H − K̃ᵀ(W H)`` removes a key direction only when ``K̃``
-    matches ``W``'s keys; a bf16 ``K̃`` cost the aligned check 4× its error), ``gc`` = γ_c,
+    matches ``W``'s keys, which a bf16 ``K̃`` does not on keys around one direction), ``gc`` = γ_c,
     ``lam``: S vectors
     ``[c]`` (λ at levels ``log2 c + 1 .. log2 c + S``), ``H``: S float32 states ``[d,bv]`` after
     the carry into chunk ``n``.  ``save(m, H[m])`` is called for each level read at this chunk (the backward's

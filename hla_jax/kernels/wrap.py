@@ -32,7 +32,7 @@ import jax.numpy as jnp
 LOG_DECAY_FLOOR = -30.0
 CHECKPOINT_EVERY = 1024  # chunks per backward segment (65536 tokens at c = 64; shorter: one segment)
 # float32 inputs from this (padded) head dim on exceed Triton's shared memory at the bf16 tiles:
-# chunk and value tiles are capped per kernel, at what fits on the H200
+# chunk and value tiles are capped per kernel, at what fits a Hopper GPU's shared memory
 F32_GPU_MAX_D = 128
 F32_GPU_TILE = {"la_pallas": 64, "loglinear_mamba2_pallas": 32, "loglinear_gated_deltanet_pallas": 16}
 

@@ -7,9 +7,8 @@ argument: its cuDNN path takes sequence lengths (one sequence per row, padding) 
 which it turns into a constant additive bias (no bias gradient).  So the mask goes through cuDNN
 flash attention on a GPU for 16-bit activations and through XLA's attention otherwise
 (``attention_implementation``); cuDNN's packed ``q_offsets`` layout is not exposed by that API.
-On one H200 (bf16, B=8, T=2048, d_model=1024, 8 heads; the mixer's forward and backward) the
-masked cuDNN call took 1.7 ms (1.1 ms unmasked, XLA masked 4.4 ms), packed documents matching
-the documents alone to bf16 rounding.
+The masked cuDNN call is faster than XLA's masked attention, and packed documents match the
+documents alone to bf16 rounding.
 """
 
 from __future__ import annotations

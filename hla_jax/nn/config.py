@@ -27,7 +27,7 @@ OUTPUT_GATES = ("silu", "sigmoid", "none")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only LM hyper-parameters (see MODEL_CONTRACT.md).
+    """Decoder-only LM hyper-parameters.
 
     ``head_dim=0`` means ``d_model // n_heads``.  Every mixer maps ``d_model -> n_heads ×
     head_dim`` and back, so ``n_heads * head_dim`` must equal ``d_model``.
@@ -38,8 +38,8 @@ class ModelConfig:
     ``hla_normalize`` uses the ratio-normalised HLA readout; ``hla_conv`` gives them the short
     causal convolution on q, k, v (width ``conv_size``) that the Mamba-2 / Gated DeltaNet
     mixers always have.  ``hla_conv`` and ``hla_decay`` are on by default: without them the HLA
-    mixers learned neither language (eval loss 2.31-2.42 against 1.39-1.48 with both, tiny CPU
-    LMs) nor MQAR (README "Defaults of the HLA mixers"); set them False for the bare operators.
+    mixers learn neither language nor MQAR well (see the results page); set them False for the
+    bare operators.
     ``seq_axis``: the mesh axis the time axis is sharded over ("" = none; the trainer sets
     "sequence" when ``mesh.sequence > 1``): the recurrent mixers then run their op through
     ``ops.sequence.over_time`` (``impl`` chunked/auto).  Decoding ignores it (unsharded).

@@ -279,8 +279,8 @@ def pallas_preferred(seq_axis, chunk_size: int, *xs) -> bool:
     """Whether ``impl="auto"`` takes an operator's Pallas form (its kernel; for hla2, ahla and
     causal hla3 the chain of ``la_pallas`` passes, ``chains.over_pallas``): on a GPU, all inputs
     bf16, time not sharded, a chunk the kernels take (a power of two >= 16); the configuration
-    checked on an H200 and measured faster there than the XLA chunked form
-    (``experiments/results/kernels_*``).  Float32 at d=128 needs smaller Triton tiles
+    the GPU check covers and in which the kernels beat the XLA chunked form (see the kernel
+    benchmarks on the results page).  Float32 at d=128 needs smaller Triton tiles
     (``kernels.wrap.F32_GPU_TILE``), and the TPU kernels have never run on a TPU: XLA chunked
     there."""
     return (seq_axis is None and jax.default_backend() == "gpu" and chunk_size >= 16

@@ -230,17 +230,17 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
         raise ValueError(f"{name}: impl='pallas' takes segment_ids or {state_args[0]}, not both; "
                          f"impl='chunked' takes both")
     # log-linear GDN on whole rows: the block form, faster than its kernels forward+backward
-    # (38.9 against 65.6 ms at T=8192 on the H200, kernels_bench_loglinear_gdn_blocks)
+    # (its backward does not carry the counter's level states back through every chunk)
     blocks_first = name == "loglinear_gated_deltanet" and segment_ids is None
-    # a state: the kernels on the row and one first-order pass (log-linear Mamba-2: 102 against
-    # 321 ms fwd+bwd for the counter form at T=2048 on the H200, kernels_bench_states)
+    # a state: the kernels on the row and one first-order pass, faster than the counter form;
+    # a state with packed documents: the counter form
     both = lam is not None and state_args and segment_ids is not None
     preferred = (impl == "auto" and common.pallas_preferred(seq_axis, chunk_size, q, k, v)
                  and _kernel_takes("gated_deltanet" if blocks_first else name, q, k, v, chunk_size))
     if preferred and name in KERNELS and not both and not blocks_first:
         impl = "pallas"
     # the block form's chunk terms from the first-order kernel's UT transform where that kernel
-    # runs (34.4 against 39.6 ms fwd+bwd at T=8192 on the H200, kernels_bench_gdn_blocks_ut)
+    # runs (faster than XLA's batched triangular solve and einsums)
     terms = "kernel" if preferred and blocks_first else "xla"
     impl = "chunked" if impl == "auto" else impl
     if impl == "pallas":  # the kernels take g=None as no decay
@@ -333,7 +333,7 @@ def loglinear_gated_deltanet(q, k, v, g, beta, lam, *, segment_ids=None, initial
     layout, or a state as for ``loglinear_mamba2``, the first-order pass a ``gated_deltanet``
     one); "auto" takes it on a GPU for bf16 inputs with ``segment_ids`` and no state, else
     "chunked" (whole rows: the block form, faster forward+backward than the
-    kernels on the H200; its chunk terms from the ``gated_deltanet`` kernel's UT transform where
+    kernels; its chunk terms from the ``gated_deltanet`` kernel's UT transform where
     "auto" would take that kernel).  ``impl="chunked"``
     without those three (and without ``seq_axis``): the block form
     (``ops.loglinear_gdn_blocks``: an up-sweep of chunk transitions and a running query per

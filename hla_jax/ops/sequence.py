@@ -23,9 +23,8 @@ row and head, float32): each device receives ``(P − 1)·|s|`` numbers, then do
 combines of summary size (no chunk-sized work); the backward moves the same volume through the
 transposed ``psum_scatter``.  A log-step ``ppermute`` scan would receive ``⌈log2 P⌉·|s|`` but
 needs ``⌈log2 P⌉`` dependent collective rounds, each followed by a combine.  The choice rests on
-the measured volumes (tests/sequence_check.py ``bytes``: 15 MB received per device and layer
-for HLA2 at B=1, H=16, d=dv=128, P=8, 95 MB for log-linear Gated DeltaNet, tens of µs to a few
-hundred µs on NVLink) and the round count; it was not timed on several GPUs.  HLA3's
+the volumes (a few summaries per device, counted from the lowered program by ``gathered_bytes``)
+and the round count, not on timings of the collectives.  HLA3's
 ``paper`` mask (whose full summary holds a ``d³·dv`` map) uses two exclusive sums of ``d×d`` and
 ``d×dv`` moments instead, and the log-linear operators one state per Fenwick level (see their
 modules).  ``over_time`` runs an operator this way from a model under ``jit``.
@@ -158,7 +157,7 @@ def over_time(entry, seq_axis: str, *, mesh=None, **kw):
 def gathered_bytes(text: str, shards: int) -> int:
     """Bytes each device receives through the all-gathers of a lowered (StableHLO) program over
     ``shards`` devices: every operand ``tensor<A×B×…×fNN>`` from each of the ``shards − 1``
-    others (the README's communication table is measured this way)."""
+    others (how the communication volumes are counted)."""
     operands = re.findall(r"stablehlo\.all_gather.*?\(tensor<([\dx]+)x[a-z]+(\d+)>\)", text)
     return (shards - 1) * sum(math.prod(int(n) for n in shape.split("x")) * int(bits) // 8
                               for shape, bits in operands)

@@ -13,9 +13,9 @@ Every kernel is chunk-parallel (no walk, no carry across chunks; ``kernels/logli
   ``(dq, dk) [nv,B,Tp,H,d]`` (one share per value tile), ``dv [B,Tp,H,dv]``,
   ``db [nv,B,H,Tp]``, ``dlam [nv,B,H,lc+1,Tp]``, ``dlw [nv,B,H,P,Tp]``.
 
-Settings picked by tuning runs on an H200 (bf16, H=16, d=dv=128, T=8192):
-4 warps and value tiles of 128 everywhere; ``half_states`` sums ``PIECE = 32`` chunks per
-program at most, software-pipelined (``NUM_STAGES``).
+Settings (the fastest in tuning runs at bf16, H=16, d=dv=128): 4 warps and value tiles of 128
+everywhere; ``half_states`` sums ``PIECE = 32`` chunks per program at most, software-pipelined
+(``NUM_STAGES``).
 
 Inputs stay in the caller's ``[B,Tp,H,·]`` layout; ``b [B,H,Tp]`` is the chunk-local cumulative
 log-decay, ``lam [B,H,lc+1,Tp]`` the intra-chunk λ rows, ``lw [B,H,P,Tp]`` the tokens' level

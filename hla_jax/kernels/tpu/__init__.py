@@ -1,1 +1,1 @@
-"""Pallas kernels for TPU (Mosaic); tested in interpret mode only, no TPU was available."""
+"""Pallas kernels for TPU (Mosaic); never run on TPU hardware, tested in interpret mode only."""

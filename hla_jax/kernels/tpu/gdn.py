@@ -1,7 +1,7 @@
 """The TPU backend of ``kernels/gdn.py`` (Mosaic): first-order Gated DeltaNet's five steps, with
 the interface of ``kernels/gpu/gdn.py``, over the chunk math of ``kernels/gdn_chunk.py``.
-UNTESTED ON TPU HARDWARE: no TPU was available; the tests run these in interpret mode on CPU and
-check that they lower through Mosaic.
+NEVER RUN ON TPU HARDWARE: the tests run these in interpret mode on CPU and check that they
+lower through Mosaic.
 
 Grid ``(B, H, N)`` with the inputs moved to ``[B,H,Tp,·]`` (every block's last two dims
 ``(c, ·)``, as in ``tpu/walk.py``), one value tile.  ``ut_forward``, ``grads`` and

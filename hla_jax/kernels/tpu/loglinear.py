@@ -1,5 +1,5 @@
-"""Log-linear Mamba-2 in the block form for TPU (Mosaic).  UNTESTED ON TPU HARDWARE: no TPU was
-available; the tests run these in interpret mode on CPU and check the Mosaic lowering.
+"""Log-linear Mamba-2 in the block form for TPU (Mosaic).  NEVER RUN ON TPU HARDWARE: the
+tests run these in interpret mode on CPU and check the Mosaic lowering.
 
 Same interface and chunk math as ``kernels.gpu.loglinear`` (``kernels/loglinear_chunk.py``),
 one value tile (``bv``/``num_warps`` are ignored):

@@ -1,5 +1,5 @@
-"""Log-linear Gated DeltaNet kernels for TPU (Mosaic).  UNTESTED ON TPU HARDWARE: no TPU was
-available; the tests run these in interpret mode on CPU only.
+"""Log-linear Gated DeltaNet kernels for TPU (Mosaic).  NEVER RUN ON TPU HARDWARE: the tests
+run these in interpret mode on CPU and check the Mosaic lowering.
 
 Same interface as ``kernels.gpu.loglinear_gdn`` (``bv``/``num_warps`` are ignored: one value tile,
 Mosaic wants the last dim a multiple of 128 or the full extent).  Inputs move to ``[B,H,Tp,·]``

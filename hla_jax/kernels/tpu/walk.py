@@ -1,5 +1,5 @@
-"""The chunk walks of first-order LA for TPU (Mosaic).  UNTESTED ON TPU HARDWARE: no TPU was
-available; the tests run them in interpret mode on CPU and check that they lower through Mosaic.
+"""The chunk walks of first-order LA for TPU (Mosaic).  NEVER RUN ON TPU HARDWARE: the tests run
+them in interpret mode on CPU and check that they lower through Mosaic.
 
 The TPU way of ``kernels/gpu/walk.py`` (same five kernels, same interface; ``bv`` is ignored and
 there is one value tile, ``nv = 1``): grid ``(B, H, N)``, each step's ``[c, d]`` tiles arriving
