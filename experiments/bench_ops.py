@@ -15,6 +15,18 @@ as a Markdown table.
 ``--impls`` times each operator in several forms (a form an operator cannot take at that shape
 is recorded with its error), ``--shape`` replaces every operator's shape, ``--tag`` names the
 file ``bench_ops_<backend>_<tag>.json``.
+
+    python -m experiments.bench_ops --jla --repeats 5   # against jax-linear-attention
+
+``--jla``: our XLA chunked forms of mamba2 (``ops.la_chunked``), gated_deltanet
+(``ops.gdn_chunked``) and loglinear_mamba2 (its ``impl="chunked"``) against the plain-JAX chunked
+forms of the optional peer package ``jax-linear-attention`` (``jla``: ``simple_gla``,
+``gated_delta_rule``, ``log_linear_simple_gla_chunked``, at ``scale=1``, the same operators) at
+T = 4096 and 16384 (B = 1, H = 4, d = dv = 64, chunk 64): forward+backward, the two forms
+compiled side by side and timed in alternating rounds (one call each per round, ``--repeats``
+rounds, medians), with the relative difference of their outputs and the machine's load average.
+Written to ``bench_ops_jla_<backend>[_<tag>].{json,md}``; without ``jla`` installed only our
+forms are timed.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from tqdm import tqdm
 
 from experiments import common
 from hla_jax import ops
+from hla_jax.ops import gdn_chunked, la_chunked
 
 # name -> (forward+backward target, shape)
 HLA = dict(B=1, H=4, T=16384, d=64, dv=64)
@@ -111,6 +124,95 @@ def write(path, rows) -> dict:
     return record
 
 
+JLA_SHAPE = dict(B=1, H=4, d=64, dv=64)
+JLA_T = (4096, 16384)
+
+
+def jla_pairs():
+    """``{operator: (ours, jla's)}``: forward callables on ``make_inputs``' arguments; jla's are
+    None when the package is missing."""
+    ours = {
+        "mamba2": lambda q, k, v, g: la_chunked.chunked(q, k, v, g)[0],
+        "gated_deltanet": lambda q, k, v, g, beta: gdn_chunked.chunked(q, k, v, g, beta)[0],
+        "loglinear_mamba2": lambda q, k, v, g, lam: ops.loglinear_mamba2(q, k, v, g, lam, impl="chunked"),
+    }
+    try:
+        from jla.ops import chunked as jla
+        from jla.ops.log_linear import log_linear_simple_gla_chunked
+    except ImportError:
+        print("jla (jax-linear-attention) is not installed: timing our forms only")
+        return {name: (f, None) for name, f in ours.items()}
+    theirs = {
+        "mamba2": lambda q, k, v, g: jla.simple_gla(q, k, v, g, scale=1.0)[0],
+        "gated_deltanet": lambda q, k, v, g, beta: jla.gated_delta_rule(q, k, v, g, beta, scale=1.0)[0],
+        "loglinear_mamba2": lambda q, k, v, g, lam: log_linear_simple_gla_chunked(
+            q, k, v, g, lam, scale=1.0)[0],
+    }
+    return {name: (f, theirs[name]) for name, f in ours.items()}
+
+
+def bench_pair(name, shape, fns, rounds):
+    """Forward+backward of each form in ``fns`` (None: skipped), compiled side by side and timed
+    in alternating rounds (one call each per round, the order reversed every other round)."""
+    args = make_inputs(name, shape, jnp.float32)
+    argnums = tuple(range(len(args)))
+    calls = {}
+    with jax.default_matmul_precision("highest"):
+        for form, fn in fns.items():
+            if fn is not None:
+                grad = jax.jit(jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a) ** 2) * 1e-6, argnums=argnums))
+                calls[form] = functools.partial(grad.lower(*args).compile(), *args)
+                jax.block_until_ready(calls[form]())  # warm-up
+        outs = {form: np.asarray(jax.jit(fns[form])(*args), np.float64) for form in calls}
+    times = {form: [] for form in calls}
+    for r in range(rounds):
+        for form in list(calls)[::1 if r % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            jax.block_until_ready(calls[form]())
+            times[form].append(time.perf_counter() - t0)
+    row = {"op": name, **shape, "dtype": "float32"}
+    for form in fns:
+        row[f"{form}_s"] = statistics.median(times[form]) if form in times else None
+        row[f"{form}_times_s"] = times.get(form)
+    if len(outs) == 2:
+        row["ratio"] = row["ours_s"] / row["jla_s"]
+        row["output_rel_diff"] = float(np.linalg.norm(outs["ours"] - outs["jla"])
+                                       / np.linalg.norm(outs["jla"]))
+    return row
+
+
+def jla_table(rows, rounds) -> str:
+    def ms(x):
+        return "–" if x is None else f"{1e3 * x:.1f}"
+
+    head = (f"{jax.devices()[0].device_kind} ({jax.default_backend()}), float32, forward+backward, "
+            f"median of {rounds} alternating rounds; load average {rows[0]['load']} before, "
+            f"{rows[-1]['load_after']} after\n\n")
+    return head + common.markdown_table(
+        ["op", "T", "ours ms", "jla ms", "ours / jla", "output rel. diff"],
+        [[r["op"], r["T"], ms(r["ours_s"]), ms(r["jla_s"]),
+          "–" if r.get("ratio") is None else f"{r['ratio']:.2f}",
+          "–" if r.get("output_rel_diff") is None else f"{r['output_rel_diff']:.1e}"] for r in rows])
+
+
+def main_jla(a, names, override, path):
+    """``--jla``: our chunked forms against jla's (those of ``names``), written to ``path`` (.json
+    and .md)."""
+    Ts = [override["T"]] if "T" in override else JLA_T
+    rows = []
+    for name, (ours, theirs) in jla_pairs().items():
+        for T in Ts if name in names else ():
+            shape = {**JLA_SHAPE, **override, "T": T}
+            load = round(os.getloadavg()[0], 2)
+            row = bench_pair(name, shape, {"ours": ours, "jla": theirs}, a.repeats)
+            rows.append({**row, "load": load, "load_after": round(os.getloadavg()[0], 2)})
+            tqdm.write(f"{name} T={T}: ours {row['ours_s']:.4f} s"
+                       + ("" if row["jla_s"] is None else f", jla {row['jla_s']:.4f} s"))
+            common.write_json(path + ".json", {"rows": rows})
+    print(common.write_markdown(path + ".md", jla_table(rows, a.repeats)))
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="comma-separated operator names (default: all)")
@@ -121,6 +223,8 @@ def main(argv=None):
     p.add_argument("--shape", default="", help="e.g. B=1024,H=1,T=256,d=64,dv=64 for every op")
     p.add_argument("--tag", default="", help="file bench_ops_<backend>_<tag>.json")
     p.add_argument("--out", default=str(common.RESULTS))
+    p.add_argument("--jla", action="store_true",
+                   help="our chunked forms against jax-linear-attention's (bench_ops_jla_*)")
     a = p.parse_args(argv)
     names = [n for n in a.only.split(",") if n] or list(OPERATORS)
     unknown = set(names) - set(OPERATORS)
@@ -138,7 +242,10 @@ def main(argv=None):
         p.error(f"--shape takes B, H, T, d, dv; got {sorted(override)}")
     backend = jax.default_backend()
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"bench_ops_{backend}{'_' + a.tag if a.tag else ''}.json")
+    suffix = f"{backend}{'_' + a.tag if a.tag else ''}"
+    if a.jla:
+        return main_jla(a, names, override, os.path.join(a.out, f"bench_ops_jla_{suffix}"))
+    path = os.path.join(a.out, f"bench_ops_{suffix}.json")
     rows = []
     for name, impl in tqdm([(n, i) for n in names for i in impls], desc="fwd+bwd", unit="op"):
         shape = {**OPERATORS[name][1], **override}

@@ -71,8 +71,8 @@ from jax.sharding import PartitionSpec as P
 
 from experiments import common
 from hla_jax import ops
+from hla_jax.core import fenwick
 from hla_jax.nn import LM, ModelConfig, param_count
-from hla_jax.ops import fenwick
 from hla_jax.train import read_metrics, train_and_evaluate
 
 # name -> (operator on (q, k, v, g, lam), |s| per batch row and head as text and as f(d, dv, L))

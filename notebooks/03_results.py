@@ -146,6 +146,9 @@ for path, res in load("niah_*.json", "python -m experiments.niah --train").items
 
 # %%
 for path, res in load("bench_ops_*.json", "python -m experiments.bench_ops").items():
+    if "jla_s" in res["rows"][0]:  # against jax-linear-attention (python -m experiments.bench_ops --jla)
+        display(Markdown(f"### {path.name}\n\n" + path.with_suffix(".md").read_text()))
+        continue
     display(Markdown(f"### {path.name}: {res['device']}, jax {res['jax']}, {res['cpu_count']} cores\n\n"
                      + common.markdown_table(
                          ["op", "B", "H", "T", "d", "median s", "peak MiB", "× plain (time / memory)"],

@@ -69,7 +69,7 @@ def test_chain_is_generic_and_keeps_the_input_dtype(rng, name):
 @pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("normalize", [False, True])
 def test_pallas_chain_matches_reference(rng, name, normalize):
-    """impl="pallas": the chain over ``kernels.la.la_pallas`` (interpret mode on CPU), float32,
+    """impl="pallas": the chain over ``kernels.la_pallas`` (interpret mode on CPU), float32,
     per-token gates, T = 20 with chunk 16; outputs and gradients to 2e-3."""
     T = 20
     q, k, v, g = make_inputs(rng, T, "token", normalize, np.float32, B=1, H=H, d=8, dv=4)

@@ -160,6 +160,29 @@ def test_bench_ops_times_several_forms_at_one_shape(tmp_path):
         bench_ops.main(["--shape", "B=1,X=3", "--out", str(tmp_path)])
 
 
+def test_bench_ops_jla_mode_without_jla(tmp_path, monkeypatch):
+    """``--jla`` without the peer package installed: our forms only, a note, the files written."""
+    monkeypatch.setitem(sys.modules, "jla", None)  # `import jla...` raises ImportError
+    bench_ops.main(["--jla", "--shape", "B=1,H=1,T=40,d=8,dv=4", "--repeats", "2", "--tag", "t",
+                    "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_ops_jla_cpu_t.json").read_text())["rows"]
+    assert [(r["op"], r["T"]) for r in rows] == [
+        ("mamba2", 40), ("gated_deltanet", 40), ("loglinear_mamba2", 40)]
+    assert all(r["ours_s"] > 0 and len(r["ours_times_s"]) == 2 and r["jla_s"] is None for r in rows)
+    md = (tmp_path / "bench_ops_jla_cpu_t.md").read_text()
+    assert md.startswith("Commit `") and md.count("| – | – | – |") == 3
+
+
+def test_bench_ops_jla_mode_same_operators(tmp_path):
+    """With jla installed, its forms compute our operators (scale 1): outputs agree."""
+    pytest.importorskip("jla")
+    bench_ops.main(["--jla", "--only", "mamba2,gated_deltanet", "--shape", "B=1,H=1,T=40,d=8,dv=4",
+                    "--repeats", "1", "--tag", "t", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_ops_jla_cpu_t.json").read_text())["rows"]
+    assert [r["op"] for r in rows] == ["mamba2", "gated_deltanet"]
+    assert all(r["jla_s"] > 0 and r["ratio"] > 0 and r["output_rel_diff"] < 1e-5 for r in rows)
+
+
 def test_bench_kernels_interleaves_rounds(tmp_path):
     """``--rounds 3``: each method of an input set keeps three rounds of medians, forward and
     forward+backward, and its time is their median."""

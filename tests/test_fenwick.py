@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hla_jax.ops import fenwick
+from hla_jax.core import fenwick
 from hla_jax.ops import reference as ref
 
 

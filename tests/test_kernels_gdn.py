@@ -1,5 +1,5 @@
-"""The first-order Gated DeltaNet kernel (``kernels/gdn.py`` over ``kernels/gpu/gdn_mgpu.py``) on
-this CPU: the Mosaic GPU kernels (UT transform and its backward, walks, products) in the GPU
+"""The first-order Gated DeltaNet kernel (``kernels/gdn/gdn_entry.py`` over its Mosaic GPU
+kernels) on this CPU: the Mosaic GPU kernels (UT transform and its backward, walks, products) in the GPU
 interpreter against the float32 recurrence (outputs, final state and every gradient: q, k, v, g, β, the
 initial state), with a ragged T, value tiles padded, a reset gate, sequences cut into pieces,
 packed documents through ``ops.gated_deltanet(impl="pallas")``, the entry's refusals, the walks
@@ -14,7 +14,8 @@ import pytest
 from helpers import assert_close, keys_around_one_direction, lower_for
 
 from hla_jax import ops
-from hla_jax.kernels import gated_deltanet_pallas, gdn
+from hla_jax.kernels import gated_deltanet_pallas
+from hla_jax.kernels.gdn import gdn_entry
 
 TOL = 2e-2  # docs/math.md#tolerances: bf16 inputs with float32 state
 
@@ -30,9 +31,9 @@ def operands(rng, B, T, H, d, dv):
     return (*bf, g, beta, h0)
 
 
-def kernel(q, k, v, g, beta, h0, platform="gpu", pieces=1):
+def kernel(q, k, v, g, beta, h0, backend="mosaic_gpu", pieces=1):
     return gated_deltanet_pallas(q, k, v, g, beta, initial_state=h0, return_final_state=True,
-                                 pieces=pieces, platform=platform, interpret=True)
+                                 pieces=pieces, backend=backend, interpret=True)
 
 
 def oracle(q, k, v, g, beta, h0):
@@ -47,7 +48,7 @@ def oracle(q, k, v, g, beta, h0):
     (1, 128, 1, 64, 64, "aligned"),  # keys near one direction, β ≈ 1, slow decay: the UT
 ])                                   # inverse's ill-conditioned case (NaN in LM training once)
 def test_matches_recurrence(rng, B, T, H, d, dv, case):
-    check_against_recurrence(rng, B, T, H, d, dv, case, "gpu")
+    check_against_recurrence(rng, B, T, H, d, dv, case, "mosaic_gpu")
 
 
 @pytest.mark.parametrize("B,T,H,d,dv,case,pieces", [
@@ -57,7 +58,7 @@ def test_matches_recurrence(rng, B, T, H, d, dv, case):
 def test_pieces_match_recurrence(rng, B, T, H, d, dv, case, pieces):
     """Each sequence cut into pieces (the maps walk, the scans, the reverse walk without its
     residuals): outputs, final state and all six gradients against the recurrence."""
-    check_against_recurrence(rng, B, T, H, d, dv, case, "gpu", pieces)
+    check_against_recurrence(rng, B, T, H, d, dv, case, "mosaic_gpu", pieces)
 
 
 @pytest.mark.parametrize("B,T,H,d,dv,case", [
@@ -66,12 +67,12 @@ def test_pieces_match_recurrence(rng, B, T, H, d, dv, case, pieces):
     (1, 100, 2, 32, 48, "float32"),   # which only the TPU backend takes
 ])
 def test_tpu_backend_matches_recurrence(rng, B, T, H, d, dv, case):
-    """The TPU backend (``kernels/tpu/gdn.py``) in Mosaic's interpreter."""
+    """The TPU backend (``kernels/gdn/gdn_tpu.py``) in Mosaic's interpreter."""
     check_against_recurrence(rng, B, T, H, d, dv, case, "tpu")
 
 
-def check_against_recurrence(rng, B, T, H, d, dv, case, platform, pieces=1):
-    """Outputs, final state and all six gradients of ``platform``'s kernels (interpret mode)
+def check_against_recurrence(rng, B, T, H, d, dv, case, backend, pieces=1):
+    """Outputs, final state and all six gradients of ``backend``'s kernels (interpret mode)
     against the float32 recurrence."""
     args = list(operands(rng, B, T, H, d, dv))
     tol = TOL
@@ -82,7 +83,7 @@ def check_against_recurrence(rng, B, T, H, d, dv, case, platform, pieces=1):
     if case == "aligned":
         args[1] = jnp.asarray(keys_around_one_direction(rng, (B, T, H, d), 0.1), jnp.bfloat16)
         args[3], args[4] = args[3] * 0.01, jnp.full_like(args[4], 0.95)
-    run = lambda *a: kernel(*a, platform=platform, pieces=pieces)  # noqa: E731
+    run = lambda *a: kernel(*a, backend=backend, pieces=pieces)  # noqa: E731
     for a, b, what in zip(run(*args), oracle(*args), ("o", "H_T")):
         assert_close(a, b, tol, what)
     wo = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.float32)
@@ -147,22 +148,23 @@ def test_entry_refuses_what_the_kernel_does_not_take(rng):
         gated_deltanet_pallas(q, k, v, g, beta, initial_state=h0[..., :8])
     with pytest.raises(ValueError, match="beta"):
         gated_deltanet_pallas(q, k, v, g, beta[..., None])
-    with pytest.raises(ValueError, match="platform"):
-        gated_deltanet_pallas(q, k, v, g, beta, platform="cpu")
+    with pytest.raises(ValueError, match="backend"):
+        gated_deltanet_pallas(q, k, v, g, beta, backend="cpu")
     with pytest.raises(ValueError, match="float32 q, k, v of one dtype"):
-        gated_deltanet_pallas(q, k, v.astype(jnp.float32), g, beta, platform="tpu")
-    for pieces, platform in ((0, "gpu"), ("2", "gpu"), (True, "gpu"), (2, "gpu"), (2, "tpu")):
+        gated_deltanet_pallas(q, k, v.astype(jnp.float32), g, beta, backend="tpu")
+    for pieces, backend in ((0, "mosaic_gpu"), ("2", "mosaic_gpu"), (True, "mosaic_gpu"),
+                            (2, "mosaic_gpu"), (2, "tpu")):
         with pytest.raises(ValueError, match="pieces must be None or an int from 1 to 1 "):
-            gated_deltanet_pallas(q, k, v, g, beta, pieces=pieces, platform=platform)
-    assert not gdn.supports(q, k, v, 64)   # no Hopper GPU here: impl="auto" stays chunked
+            gated_deltanet_pallas(q, k, v, g, beta, pieces=pieces, backend=backend)
+    assert not gdn_entry.supports(q, k, v, 64)   # no Hopper GPU here: impl="auto" stays chunked
 
 
 def test_default_split_only_where_at_least_four_pieces_fit(monkeypatch):
-    """``pieces=None``: ``la_mgpu.pieces``' count where it reaches ``MIN_PIECES`` (4 at B=1,
+    """``pieces=None``: ``mosaic_gpu.pieces``' count where it reaches ``MIN_PIECES`` (4 at B=1,
     H=16, T=65536 on a 132-SM GPU), else 1 (two pieces' extra walks cost about what they save)."""
     for P, want in ((1, 1), (2, 1), (4, 4), (8, 8)):
-        monkeypatch.setattr(gdn.la_mgpu, "pieces", lambda B, H, dv, N, P=P: P)
-        assert gdn.default_pieces(1, 16, 128, 1024) == want
+        monkeypatch.setattr(gdn_entry.mosaic_gpu, "pieces", lambda B, H, dv, N, P=P: P)
+        assert gdn_entry.default_pieces(1, 16, 128, 1024) == want
 
 
 def test_lowers_for_cuda():
@@ -176,7 +178,7 @@ def test_lowers_for_cuda():
         h0 = jax.ShapeDtypeStruct((2, 3, d, dv), jnp.float32)
 
         def loss(q, k, v, beta, g, h0):
-            o, hT = gdn.core(q, k, v, beta, g, h0, False)
+            o, hT = gdn_entry.core(q, k, v, beta, g, h0, False)
             return jnp.sum(o) + jnp.sum(hT)
 
         text = lower_for("cuda", jax.grad(loss, argnums=range(6)), x, x, v, s, s, h0)
@@ -184,11 +186,11 @@ def test_lowers_for_cuda():
             assert name in text, name
         # the UT transform once (the backward keeps its W), no Triton
         assert text.count("gdn_ut_fwd_mosaic_gpu") == 1 and "__gpu$xla.gpu.triton" not in text
-        text = lower_for("cuda", lambda *a: gdn.core(*a, False), x, x, v, s, s, h0)   # no residuals
+        text = lower_for("cuda", lambda *a: gdn_entry.core(*a, False), x, x, v, s, s, h0)   # no residuals
         assert text.count("gdn_ut_fwd_mosaic_gpu") == text.count("gdn_walk_out_mosaic_gpu") == 1
 
         def split_loss(*a):   # two pieces a sequence: the maps walk, a reverse walk from zero
-            o, hT = gdn.core(*a, False, "gpu", 2)
+            o, hT = gdn_entry.core(*a, False, "mosaic_gpu", 2)
             return jnp.sum(o) + jnp.sum(hT)
 
         text = lower_for("cuda", jax.grad(split_loss, argnums=range(6)), x, x, v, s, s, h0)
@@ -197,17 +199,17 @@ def test_lowers_for_cuda():
 
 
 def test_forward_walk_without_residuals(rng):
-    """The warp-specialized forward walk (``gdn_mgpu.walk``, GPU interpreter) without ``keep``
+    """The warp-specialized forward walk (``gdn_walk_mgpu.walk``, GPU interpreter) without ``keep``
     gives the outputs and final state it gives with it, bitwise, and writes no ``V'`` or states;
     with it, the states it keeps start from ``s0``."""
-    from hla_jax.kernels.gpu import gdn_mgpu
+    from hla_jax.kernels.gdn import gdn_walk_mgpu
 
     B, Tp, H, d, dv = 1, 192, 2, 64, 128
     q, k, w = (jnp.asarray(0.3 * rng.normal(size=(B, Tp, H, d)), jnp.bfloat16) for _ in range(3))
     u = jnp.asarray(rng.normal(size=(B, Tp, H, dv)), jnp.bfloat16)
     b2 = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.2, (B, H, Tp // 64, 64)), jnp.float32), -1)
     s0 = jnp.asarray(0.3 * rng.normal(size=(B, H, dv, d)), jnp.float32)
-    walk = lambda keep: gdn_mgpu.walk(b2.reshape(B, H, Tp), s0, (q, k, w, u), mode="out",  # noqa: E731
+    walk = lambda keep: gdn_walk_mgpu.walk(b2.reshape(B, H, Tp), s0, (q, k, w, u), mode="out",  # noqa: E731
                                       keep=keep, interpret=True)
     (o, vn, s, final), (o1, vn1, s1, final1) = walk(True), walk(False)
     assert vn1 is None and s1 is None and vn.shape == u.shape and s.shape == (B, H, 3, dv, d)
@@ -217,25 +219,25 @@ def test_forward_walk_without_residuals(rng):
 
 
 def test_maps_walk_is_the_forward_walk_on_identity_and_values(rng):
-    """``gdn_mgpu.walk(mode="maps")`` (GPU interpreter) gives the final states the forward walk
+    """``gdn_walk_mgpu.walk(mode="maps")`` (GPU interpreter) gives the final states the forward walk
     gives over the values ``[0 | U]`` from ``[I | 0]``, its chain step for step: ``[Mᵀ; Eᵀ]``;
     the reverse walk without ``keep`` the cotangent it gives with it, and nothing else."""
-    from hla_jax.kernels.gpu import gdn_mgpu
+    from hla_jax.kernels.gdn import gdn_walk_mgpu
 
     B, Tp, H, d, dv = 2, 192, 1, 128, 64
     q, k, w = (jnp.asarray(0.3 * rng.normal(size=(B, Tp, H, d)), jnp.bfloat16) for _ in range(3))
     u = jnp.asarray(rng.normal(size=(B, Tp, H, dv)), jnp.bfloat16)
     b2 = jnp.cumsum(jnp.asarray(-rng.uniform(0, 0.2, (B, H, Tp // 64, 64)), jnp.float32), -1)
     b2 = b2.reshape(B, H, Tp)
-    maps = gdn_mgpu.walk(b2, None, (k, w, u), mode="maps", interpret=True)
+    maps = gdn_walk_mgpu.walk(b2, None, (k, w, u), mode="maps", interpret=True)
     s0 = jnp.broadcast_to(jnp.concatenate([jnp.eye(d), jnp.zeros((dv, d))]), (B, H, d + dv, d))
     u0 = jnp.concatenate([jnp.zeros((B, Tp, H, d), u.dtype), u], -1)
-    final = gdn_mgpu.walk(b2, s0, (q, k, w, u0), mode="out", keep=False, interpret=True)[-1]
+    final = gdn_walk_mgpu.walk(b2, s0, (q, k, w, u0), mode="out", keep=False, interpret=True)[-1]
     assert maps.shape == (B, H, d + dv, d) and maps.dtype == jnp.float32
     np.testing.assert_array_equal(maps, final)
     do = jnp.asarray(rng.normal(size=(B, Tp, H, dv)), jnp.bfloat16)
     ds0 = jnp.asarray(rng.normal(size=(B, H, dv, d)), jnp.float32)
-    rev = lambda keep: gdn_mgpu.walk(b2, ds0, (q, k, w, do), mode="rev", keep=keep,  # noqa: E731
+    rev = lambda keep: gdn_walk_mgpu.walk(b2, ds0, (q, k, w, do), mode="rev", keep=keep,  # noqa: E731
                                      interpret=True)
     (ndv, _, dh0), (ndv1, ds1, dh01) = rev(True), rev(False)
     assert ndv1 is None and ds1 is None and ndv.shape == do.shape
@@ -243,7 +245,7 @@ def test_maps_walk_is_the_forward_walk_on_identity_and_values(rng):
 
 
 def test_piece_scans_give_the_states_and_cotangents_between_pieces(rng):
-    """``gdn._scan`` in float64 on maps from the recurrence (``M``: the state after a piece from
+    """``gdn_entry._scan`` in float64 on maps from the recurrence (``M``: the state after a piece from
     ``I`` with zero values, ``E`` from zero; the own share: the gradient of a piece's outputs'
     loss at its start): the forward scan gives the recurrence's state where each piece starts,
     the reverse one the gradient of the whole loss at the state each piece leaves with (1e-12)."""
@@ -273,8 +275,8 @@ def test_piece_scans_give_the_states_and_cotangents_between_pieces(rng):
                                                           * wo[:, p * L:p * L + L]))(h0)
                          for p in range(P)], 1)
         m, e, own = (y.reshape((B * P,) + y.shape[2:]) for y in (m, e, own))   # the pieces' rows
-        starts = gdn._scan(m, e, h0, reverse=False).reshape(B, P, H, d, dv)
-        ends = gdn._scan(m, own, wh, reverse=True).reshape(B, P, H, d, dv)
+        starts = gdn_entry._scan(m, e, h0, reverse=False).reshape(B, P, H, d, dv)
+        ends = gdn_entry._scan(m, own, wh, reverse=True).reshape(B, P, H, d, dv)
         for p in range(P):
             assert_close(starts[:, p], run(0, p * L, h0)[1] if p else h0, 1e-12, "start")
             want = wh if p == P - 1 else jax.grad(tail)(run(0, p * L + L, h0)[1], p * L + L)
@@ -290,7 +292,7 @@ def test_tpu_backend_lowers_through_mosaic():
         h0 = jax.ShapeDtypeStruct((1, 2, d, d), jnp.float32)
 
         def loss(q, k, v, beta, g, h0):
-            o, hT = gdn.core(q, k, v, beta, g, h0, False, "tpu")
+            o, hT = gdn_entry.core(q, k, v, beta, g, h0, False, "tpu")
             return jnp.sum(o) + jnp.sum(hT)
 
         text = lower_for("tpu", jax.grad(loss, argnums=range(6)), x, x, x, s, s, h0)
@@ -302,7 +304,7 @@ def test_ut_backward_is_the_vjp_of_ut_forward(rng, cb):
     """One chunk's UT transform (``kernels/gdn_chunk.py``) in float64: the blocked forward's
     ``W, U`` solve ``(I + A) [W | U] = diag(β) [ρ∘K | V]`` and its ``X`` is ``(I + A)⁻¹``; the
     hand-written backward from that ``X`` equals autodiff of the forward, ``∂L/∂b`` included."""
-    from hla_jax.kernels import gdn_chunk
+    from hla_jax.kernels.gdn import gdn_chunk
 
     c, d, dv = 16, 8, 5
     with jax.enable_x64(True):
@@ -338,7 +340,8 @@ def test_walk_grads_are_the_vjp_of_a_chunk(rng):
     ρ_c S + (γ̄∘K)ᵀ V'``) in float64: ``walk_products`` over two value tiles and two key blocks,
     then ``walk_grads``, give autodiff's ``dQ``, ``dK`` and, summed over the key blocks,
     ``∂L/∂b`` (``ρ_c⟨S, dS⟩`` at the last token included); ``dW = −dV' Sᵀ``."""
-    from hla_jax.kernels import gdn_chunk, la_chunk
+    from hla_jax.kernels.gdn import gdn_chunk
+    from hla_jax.kernels.la import la_chunk
 
     c, d, dv = 16, 8, 6
     with jax.enable_x64(True):
@@ -369,9 +372,8 @@ def test_mosaic_products_match_the_chunk_math(rng, d, dv):
     """``gdn_grads_mgpu.backward`` (GPU interpreter; 16-bit operands) against
     ``gdn_chunk.walk_products`` and ``walk_grads`` on each chunk in float32: ``dQ, dK, dW`` to
     their 16-bit rounding, the gate's share (summed over the key blocks) to 1e-5."""
-    from hla_jax.kernels import gdn_chunk
-    from hla_jax.kernels.gpu import gdn_grads_mgpu
-    from hla_jax.kernels.gpu.la_mgpu import LOG2E
+    from hla_jax.kernels.gdn import gdn_chunk, gdn_grads_mgpu
+    from hla_jax.kernels.mosaic_gpu import LOG2E
 
     B, Tp, H, N = 1, 128, 2, 2
     bf = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)  # noqa: E731
@@ -407,8 +409,8 @@ def test_mosaic_ut_forward_solves_the_chunk(rng, d, dv, aligned):
     its largest entry, ``W, U`` (16 bits) to 1e-2, also with keys near one direction, β near 1
     and slow decay (the inverse's ill-conditioned case); without ``keep`` the same ``W, U`` and
     no ``X``."""
-    from hla_jax.kernels.gpu import gdn_ut_mgpu
-    from hla_jax.kernels.gpu.la_mgpu import LOG2E
+    from hla_jax.kernels.gdn import gdn_ut_mgpu
+    from hla_jax.kernels.mosaic_gpu import LOG2E
 
     B, Tp, H, N = 1, 128, 2, 2
     if aligned:
@@ -448,9 +450,8 @@ def test_mosaic_ut_backward_matches_the_chunk_math(rng, d, dv, own):
     ``gdn_chunk.ut_backward`` on each chunk in float32: ``dk, dv`` to their 16-bit rounding,
     ``dβ`` and the gate's share to 1e-4; with the walks' ``dK`` added, or (``own``, the block
     form's way) without it and with ``T``'s own cotangent added to ``dT``."""
-    from hla_jax.kernels import gdn_chunk
-    from hla_jax.kernels.gpu import gdn_ut_mgpu
-    from hla_jax.kernels.gpu.la_mgpu import LOG2E
+    from hla_jax.kernels.gdn import gdn_chunk, gdn_ut_mgpu
+    from hla_jax.kernels.mosaic_gpu import LOG2E
 
     B, Tp, H, N = 1, 128, 2, 2
     bf = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)  # noqa: E731

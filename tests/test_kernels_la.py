@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from helpers import assert_close, grads_of, lower_for, make_gate, make_qkv
 
-from hla_jax import kernels, ops
-from hla_jax.kernels import la_chunk, wrap
-from hla_jax.kernels.la import WALK_TUNING, la_pallas
-from hla_jax.ops import fenwick, loglinear, reference
+from hla_jax import ops
+from hla_jax.core import fenwick
+from hla_jax.kernels import la_pallas, wrap
+from hla_jax.kernels.la import la_chunk, la_walks
+from hla_jax.kernels.la.la_entry import WALK_TUNING
+from hla_jax.ops import loglinear, reference
 
 TOL = 2e-3
 KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
@@ -132,19 +134,19 @@ def test_bf16(rng):
 
 
 def core(T, every, **kw):
-    """``(o, hT)`` of ``wrap.core`` from ``h0`` (chunk 16, value tiles 16 / 32)."""
+    """``(o, hT)`` of ``la_walks.core`` from ``h0`` (chunk 16, value tiles 16 / 32)."""
     def fn(q, k, v, g, h0):
-        p = wrap.prepare(q, k, v, g, chunk_size=16, interpret=True, block_v=16, block_v_bwd=32,
-                         checkpoint_every=every, **kw)
-        o, hT = wrap.core(p.q, p.k, p.v, p.b, h0, p.cfg)
+        p = la_walks.prepare(q, k, v, g, chunk_size=16, interpret=True, block_v=16, block_v_bwd=32,
+                             checkpoint_every=every, **kw)
+        o, hT = la_walks.core(p.q, p.k, p.v, p.b, h0, p.cfg)
         return o[:, :T], hT
     return fn
 
 
-@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", ["triton", "tpu"])
 @pytest.mark.parametrize("parallel_forward", [False, True])
 @pytest.mark.parametrize("T,every", [(90, 2), (70, 4)])
-def test_backward_in_segments_carries_the_initial_state(rng, platform, parallel_forward, T, every):
+def test_backward_in_segments_carries_the_initial_state(rng, backend, parallel_forward, T, every):
     """The forward as one walk or as ``states`` + chunk-parallel ``outputs``; a backward value
     tile wider than the forward's; ``checkpoint_every``: the backward recomputes the states
     segment by segment from float32 checkpoints (the first from the initial state) and carries
@@ -153,7 +155,7 @@ def test_backward_in_segments_carries_the_initial_state(rng, platform, parallel_
     2 segments of 3)."""
     q, k, v = make_qkv(rng, 1, T, 2, 16, 32)
     g, h0 = make_gate(rng, 1, T, 2), jnp.asarray(rng.normal(size=(1, 2, 16, 32)), jnp.float32)
-    kw = dict(platform=platform, parallel_forward=parallel_forward)
+    kw = dict(backend=backend, parallel_forward=parallel_forward)
     assert_matches(rng, core(T, every, **kw), core(T, None, **kw), (q, k, v, g, h0), 1e-5)
     assert_matches(rng, core(T, every, **kw), la_reference, (q, k, v, g, h0))
 
@@ -185,7 +187,7 @@ def test_rejects_bad_input(rng):
         la_pallas(q, k[..., :8], v)
     for kw, match in [(dict(block_v=24), "block_v"), (dict(checkpoint_every=0), "checkpoint_every")]:
         with pytest.raises(ValueError, match=f"la_pallas: {match}"):
-            wrap.prepare(q, k, v, None, **kw)
+            la_walks.prepare(q, k, v, None, **kw)
 
 
 def test_float32_at_head_dim_128_gets_smaller_tiles_on_gpu(rng, monkeypatch):
@@ -193,7 +195,7 @@ def test_float32_at_head_dim_128_gets_smaller_tiles_on_gpu(rng, monkeypatch):
     tiles are capped at ``wrap.F32_GPU_TILE`` (bf16 and d=64 keep theirs); with no cap, a clear
     error up front, not a failed compile minutes later."""
     seen = []
-    monkeypatch.setattr(wrap, "core", lambda q, k, v, b, h0, cfg: seen.append(cfg) or (v, h0))
+    monkeypatch.setattr(la_walks, "core", lambda q, k, v, b, h0, cfg: seen.append(cfg) or (v, h0))
     for d, dtype in ((128, jnp.float32), (128, jnp.bfloat16), (64, jnp.float32)):
         q, k, v = (x.astype(dtype) for x in make_qkv(rng, 1, 100, 1, d, 128))
         la_pallas(q, k, v, backend="triton", interpret=False)
@@ -214,10 +216,10 @@ def test_lowers_for_hardware(platform, c, parallel_forward):
     x = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
 
     def loss(q, k, v, g, h0):
-        p = wrap.prepare(q, k, v, g, chunk_size=c, interpret=False, checkpoint_every=2,
-                         platform="tpu" if platform == "tpu" else "gpu",
-                         **dict(WALK_TUNING, parallel_forward=parallel_forward))
-        o, hT = wrap.core(p.q, p.k, p.v, p.b, h0, p.cfg)
+        p = la_walks.prepare(q, k, v, g, chunk_size=c, interpret=False, checkpoint_every=2,
+                             backend="tpu" if platform == "tpu" else "triton",
+                             **dict(WALK_TUNING, parallel_forward=parallel_forward))
+        o, hT = la_walks.core(p.q, p.k, p.v, p.b, h0, p.cfg)
         return o.sum() + hT.sum()
 
     text = lower_for(platform, jax.grad(loss, argnums=(0, 1, 2, 3, 4)), x(B, T, H, d),
@@ -236,7 +238,7 @@ def test_ops_dispatch(rng, entry, monkeypatch):
     assert_close(fn(q, k, v, g, impl="pallas", chunk_size=16), fn(q, k, v, g, impl="reference"),
                  TOL)
     seen = []
-    monkeypatch.setattr(kernels, f"{entry}_pallas", lambda q, *a, **kw: seen.append(q.dtype) or v)
+    monkeypatch.setitem(loglinear.KERNELS, entry, lambda q, *a, **kw: seen.append(q.dtype) or v)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     fn(*bf, g, impl="auto")
@@ -274,11 +276,9 @@ def test_loglinear_ops_dispatch(rng, name, extra):
 ])
 def test_loglinear_auto_dispatch(rng, monkeypatch, name, rows, dtype, want):
     """On a GPU, ``impl="auto"`` takes log-linear Mamba-2's kernels for bf16 rows, packed, whole
-    or continuing a state (``kernels.loglinear.from_state``), not packed and from a state at
+    or continuing a state (``loglinear_entry.from_state``), not packed and from a state at
     once, and log-linear Gated DeltaNet's kernels for packed bf16 rows only (whole rows: its
     block form); otherwise the block forms (``impl="chunked"``), or the counter form."""
-    from hla_jax.kernels import loglinear as kernels_loglinear
-
     B, T, H, d = 1, 40, 2, 16
     q, k, v = (x.astype(dtype) for x in make_qkv(rng, B, T, H, d, d))
     beta = (jnp.full((B, T, H), 0.5),) if "deltanet" in name else ()
@@ -287,8 +287,8 @@ def test_loglinear_auto_dispatch(rng, monkeypatch, name, rows, dtype, want):
     record = lambda tag: lambda *a, **kw: seen.append(tag) or (v, None)  # noqa: E731
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(loglinear, "_kernel_takes", lambda *a: True)
-    monkeypatch.setattr(loglinear.common, "pallas_entry", lambda n: record("pallas"))
-    monkeypatch.setattr(kernels_loglinear, "from_state", record("from_state"))
+    monkeypatch.setitem(loglinear.KERNELS, name, record("pallas"))
+    monkeypatch.setattr(loglinear, "from_state", record("from_state"))
     for form in ("blocks", "gdn_blocks", "chunked"):
         monkeypatch.setitem(loglinear._JITTED, form, record(form))
     seg = jnp.asarray(np.repeat([0, 1], [15, 25])[None]) if rows in ("packed", "both") else None

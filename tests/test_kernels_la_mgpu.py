@@ -1,4 +1,4 @@
-"""The Mosaic GPU first-order kernels (``kernels/gpu/la_mgpu.py``) on this CPU: run in the GPU
+"""The Mosaic GPU first-order kernels (``kernels/la/la_mgpu.py``) on this CPU: run in the GPU
 interpreter against a float32 oracle (outputs, final state and every gradient, bf16 inputs,
 several chunks and value tiles, a reset gate, an initial state), and lowered for CUDA."""
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from helpers import assert_close
 
-from hla_jax.kernels.gpu import la_mgpu
+from hla_jax.kernels import mosaic_gpu
+from hla_jax.kernels.la import la_mgpu
 from hla_jax.kernels.wrap import chunk_log_decay
 
 TOL = 2e-2  # docs/math.md#tolerances: bf16 inputs (16-bit copies of the state; dg sums the noise of a chunk)
@@ -30,7 +31,7 @@ def oracle(q, k, v, g, h0):
 
 
 def kernel(q, k, v, g, h0):
-    return la_mgpu.core(q, k, v, chunk_log_decay(g, la_mgpu.C), h0, True)
+    return la_mgpu.core(q, k, v, chunk_log_decay(g, mosaic_gpu.C), h0, True)
 
 
 @pytest.mark.parametrize("B,T,H,d,dv,reset", [
@@ -77,7 +78,7 @@ def test_lowers_for_cuda():
 
 
 def test_pieces_equal_one_walk(rng, monkeypatch):
-    """A sequence cut into pieces (``la_mgpu.pieces``) gives the outputs and gradients of one
+    """A sequence cut into pieces (``mosaic_gpu.pieces``) gives the outputs and gradients of one
     walk: the pieces' initial states (and cotangents) come from the scan over pieces."""
     B, T, H, d, dv = 1, 256, 1, 64, 64
     q, k = (jnp.asarray(rng.normal(size=(B, T, H, d)) / np.sqrt(d), jnp.bfloat16) for _ in "qk")
@@ -87,8 +88,8 @@ def test_pieces_equal_one_walk(rng, monkeypatch):
     wo = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.float32)
 
     def run(min_piece):
-        monkeypatch.setattr(la_mgpu, "MIN_PIECE", min_piece)
-        assert la_mgpu.pieces(B, H, dv, T // la_mgpu.C) == (4 if min_piece == 1 else 1)
+        monkeypatch.setattr(mosaic_gpu, "MIN_PIECE", min_piece)
+        assert mosaic_gpu.pieces(B, H, dv, T // mosaic_gpu.C) == (4 if min_piece == 1 else 1)
         loss = lambda *a: jnp.sum(kernel(*a)[0] * wo) + jnp.sum(kernel(*a)[1])
         return kernel(q, k, v, g, h0), jax.grad(loss, argnums=range(5))(q, k, v, g, h0)
 

@@ -7,15 +7,16 @@ import pytest
 from helpers import assert_close, grads_of, lower_for, make_gate, make_qkv
 
 from hla_jax import ops
-from hla_jax.kernels.loglinear import loglinear_mamba2_pallas
-from hla_jax.kernels.loglinear_chunk import (
+from hla_jax.core import fenwick
+from hla_jax.kernels import loglinear_mamba2_pallas
+from hla_jax.kernels.loglinear.loglinear_chunk import (
     chunk_backward_kv,
     chunk_backward_q,
     chunk_forward,
     half_state,
     live,
 )
-from hla_jax.ops import fenwick, reference
+from hla_jax.ops import reference
 
 TOL = 2e-3
 KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
@@ -71,8 +72,8 @@ def test_loglinear_mamba2_pallas_reset_gate(rng):
     _check(rng, ker, q, k, v, g, _lam(rng, 1, 80, 2))
 
 
-@pytest.mark.parametrize("platform", ["gpu", "tpu"])
-def test_packed_documents_equal_documents_alone(rng, platform):
+@pytest.mark.parametrize("backend", ["triton", "tpu"])
+def test_packed_documents_equal_documents_alone(rng, backend):
     """``segment_ids`` (documents of 13, 1, 28, 19 tokens, starting mid-chunk, and a row of one
     document) through the aligned layout: outputs and every gradient equal the reference with
     the documents' own levels, through the kernel entry and through ``ops`` (impl="pallas")."""
@@ -82,7 +83,7 @@ def test_packed_documents_equal_documents_alone(rng, platform):
     q, k, v = make_qkv(rng, B, T, H, 16, 16)
     seg = jnp.asarray(np.stack([np.repeat([0, 1, 2, 3], [13, 1, 28, 19]), np.zeros(T, int)]))
     ker = lambda *a: loglinear_mamba2_pallas(*a, segment_ids=seg, chunk_size=16, block_v=16,
-                                             block_v_bwd=16, interpret=True, platform=platform)
+                                             block_v_bwd=16, interpret=True, backend=backend)
     args = (q, k, v, make_gate(rng, B, T, H), _lam(rng, B, T, H))
     want = lambda *a: reference.loglinear_mamba2(*a, segment_ids=seg)
     assert_close(ker(*args), want(*args), TOL)
@@ -90,7 +91,7 @@ def test_packed_documents_equal_documents_alone(rng, platform):
     for name, a, b in zip("q k v g lam".split(), grads_of(ker, args, range(5), w),
                           grads_of(want, args, range(5), w)):
         assert_close(a, b, TOL, "d" + name)
-    if platform == "gpu":
+    if backend == "triton":
         via_ops = loglinear.loglinear_mamba2(*args, segment_ids=seg, impl="pallas", chunk_size=16)
         assert_close(via_ops, want(*args), TOL, "ops, impl='pallas'")
 
@@ -111,7 +112,7 @@ def test_pallas_final_state_from_zeros(rng):
 def test_aligned_layout_puts_every_document_on_its_own_block(rng):
     """Each document starts at a multiple of its length rounded up to a power of two, its
     tokens stay in order and no two tokens share a place in the ``2T`` buffer."""
-    from hla_jax.ops.loglinear_blocks import aligned_layout
+    from hla_jax.core.layout import aligned_layout
 
     for T in (1, 2, 5, 16, 17, 31, 64, 65, 89):  # one compile per length, 16 rows of each
         seg = np.cumsum(rng.random((16, T)) < rng.uniform(0.02, 0.5, (16, 1)), axis=1)
@@ -130,7 +131,7 @@ def test_loglinear_mamba2_pallas_tpu_path_interpret(rng):
     """The Mosaic TPU kernels (interpret mode only: no TPU here) match the reference too."""
     B, T, H, d, dv = 2, 100, 1, 16, 32
     q, k, v = make_qkv(rng, B, T, H, d, dv)
-    ker = lambda *a: loglinear_mamba2_pallas(*a, chunk_size=16, interpret=True, platform="tpu")
+    ker = lambda *a: loglinear_mamba2_pallas(*a, chunk_size=16, interpret=True, backend="tpu")
     _check(rng, ker, q, k, v, make_gate(rng, B, T, H), _lam(rng, B, T, H))
 
 
@@ -202,7 +203,7 @@ def test_loglinear_mamba2_pallas_lowers_for_hardware(platform, c):
     x = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     loss = lambda *a: loglinear_mamba2_pallas(*a, chunk_size=c, interpret=False,
-                                              platform="tpu" if platform == "tpu" else "gpu").sum()
+                                              backend="tpu" if platform == "tpu" else "triton").sum()
     text = lower_for(platform, jax.grad(loss, argnums=(0, 1, 2, 3, 4)), x(B, T, H, d),
                      x(B, T, H, d), x(B, T, H, dv), f32(B, T, H), f32(B, T, H, 11))
     # per level the states and their cotangents, and the two backward kernels (grad drops the
@@ -219,5 +220,5 @@ def test_float32_at_head_dim_128_gets_smaller_tiles_on_gpu():
         for dtype, want in ((jnp.float32, wrap.F32_GPU_TILE[name]), (jnp.bfloat16, 64)):
             q = jnp.zeros((1, 100, 1, 128), dtype)
             got = wrap.launch(name, q, q, q, chunk_size=64, block_v=64, block_v_bwd=64,
-                              interpret=False, platform="gpu")
+                              interpret=False, backend="triton")
             assert (got.c, got.bv, got.bv_bwd, got.Tp) == (want, want, want, -(-100 // want) * want)

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from helpers import assert_close, grads_of, keys_around_one_direction, lower_for, make_gate, make_qkv
 
-from hla_jax.kernels import loglinear_gdn_chunk as chunk
-from hla_jax.kernels.loglinear_gdn import loglinear_gated_deltanet_pallas
-from hla_jax.ops import fenwick, reference
+from hla_jax.core import fenwick
+from hla_jax.kernels import loglinear_gated_deltanet_pallas
+from hla_jax.kernels.loglinear_gdn import loglinear_gdn_chunk as chunk
+from hla_jax.ops import reference
 
 TOL = 2e-3
 KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
@@ -48,7 +49,7 @@ def test_tpu_path_interpret(rng):
     """The Mosaic TPU kernels (interpret mode only: no TPU here) match the reference too."""
     _check(rng, _inputs(rng, 2, 100, 2, 16, 16),
            lambda *a: loglinear_gated_deltanet_pallas(*a, chunk_size=16, interpret=True,
-                                                      platform="tpu"))
+                                                      backend="tpu"))
 
 
 def test_bf16(rng):
@@ -155,7 +156,7 @@ def test_block_form_ut_terms_lower_for_cuda():
     """The kernel chunk terms, forward and backward, go through the real lowering at the
     benchmark's head dim 128: Mosaic GPU's UT transform, Triton's chunk terms, then Mosaic GPU's
     chunk-terms backward and the UT backward with ``T``'s own cotangent."""
-    from hla_jax.kernels import gdn_blocks
+    from hla_jax.kernels.loglinear_gdn import gdn_blocks
 
     x = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((1, 256, 2), jnp.float32)
@@ -171,9 +172,9 @@ def test_chunk_terms_backward_kernel_is_the_vjp(rng, d, dv):
     """``gdn_terms_mgpu.backward`` (GPU interpreter, float32) against autodiff of the chunk
     terms by XLA (``loglinear_chunked.delta_terms``, exact float32 products): ``dq, dk, dw, dU``,
     ``T``'s cotangent and ``∂L/∂b``, two chunks."""
-    from hla_jax.kernels.gpu import gdn_terms_mgpu
-    from hla_jax.kernels.gpu.la_mgpu import LOG2E
-    from hla_jax.kernels.la_chunk import decays
+    from hla_jax.kernels.la.la_chunk import decays
+    from hla_jax.kernels.loglinear_gdn import gdn_terms_mgpu
+    from hla_jax.kernels.mosaic_gpu import LOG2E
     from hla_jax.ops.loglinear_chunked import delta_terms
 
     B, H, C, N = 1, 2, 64, 2
@@ -217,9 +218,10 @@ def _output_inputs(rng, dtype, B=1, H=2, N=13, c=16, d=16, dv=32):
 
 
 def _output_of(kernel, c=16):
-    """``kernels.gdn_blocks.output`` (the Triton interpreter), or XLA's window and levels
-    (``ops.loglinear_gdn_blocks.chunk_window``, ``_levels``), tokens first."""
-    from hla_jax.kernels import gdn_blocks
+    """``gdn_blocks.output`` (the Triton interpreter), or XLA's window and levels
+    (``core.block_levels.chunk_window``, ``ops.loglinear_gdn_blocks._levels``), tokens first."""
+    from hla_jax.core.block_levels import chunk_window
+    from hla_jax.kernels.loglinear_gdn import gdn_blocks
     from hla_jax.ops import loglinear_gdn_blocks
 
     lc = fenwick.chunk_log2(c)
@@ -227,7 +229,7 @@ def _output_of(kernel, c=16):
         return lambda *a: gdn_blocks.output(*a, lc, interpret=True)
 
     def xla(m, v, qh, pi, z, lam):
-        out = loglinear_gdn_blocks.chunk_window(m, v, lam)
+        out = chunk_window(m, v, lam)
         return jnp.moveaxis(out + loglinear_gdn_blocks._levels(qh, pi, z, lam, lc, m.shape[2] // c), 1, 2)
     return xla
 
@@ -262,12 +264,12 @@ def _assert_output_grads_match_xla(rng, args):
 
 
 def test_levels_backward_in_runs_x64(x64, rng, monkeypatch):
-    """Right halves summed in runs of 2 chunks (``gdn_levels.RUN``; runs of 16 at the benchmark's
+    """Right halves summed in runs of 2 chunks (``gdn_levels_triton.RUN``; runs of 16 at the benchmark's
     sizes), the runs of a pair then by XLA, a run past the last chunk empty: the gradients equal
     XLA's in float64 (13 chunks)."""
-    from hla_jax.kernels.gpu import gdn_levels
+    from hla_jax.kernels.loglinear_gdn import gdn_levels_triton
 
-    monkeypatch.setattr(gdn_levels, "RUN", 2)
+    monkeypatch.setattr(gdn_levels_triton, "RUN", 2)
     _assert_output_grads_match_xla(rng, _output_inputs(rng, jnp.float64))
 
 
@@ -295,8 +297,8 @@ def test_output_kernels_lower_for_cuda():
     dims (8 chunks of 64, 3 levels, d = dv = 128): the up-sweep's 2 combining levels and the
     window with the reads; the gradient's program has those (the reads saving their queries)
     and, per level, one kernel for the reads' backward and the sweep's (runs of at most
-    ``gdn_levels.RUN`` chunks)."""
-    from hla_jax.kernels import gdn_blocks
+    ``gdn_levels_triton.RUN`` chunks)."""
+    from hla_jax.kernels.loglinear_gdn import gdn_blocks
 
     N, c, d = 8, 64, 128
     m = jax.ShapeDtypeStruct((1, 2, N * c, c), jnp.float32)
@@ -325,8 +327,8 @@ def test_reset_gate_stays_finite(rng):
         assert np.all(np.isfinite(np.asarray(x)))
 
 
-@pytest.mark.parametrize("platform", ["gpu", "tpu"])
-def test_packed_documents_equal_documents_alone(rng, platform):
+@pytest.mark.parametrize("backend", ["triton", "tpu"])
+def test_packed_documents_equal_documents_alone(rng, backend):
     """``segment_ids`` (documents of 13, 1, 28, 19 tokens, starting mid-chunk, and a row of one
     document) through the aligned layout: output and all six gradients equal the reference with
     the documents' own levels, through the kernel entry and through ``ops`` (impl="pallas")."""
@@ -336,14 +338,14 @@ def test_packed_documents_equal_documents_alone(rng, platform):
     args = _inputs(rng, B, T, H, 16, 16)
     seg = jnp.asarray(np.stack([np.repeat([0, 1, 2, 3], [13, 1, 28, 19]), np.zeros(T, int)]))
     ker = lambda *a: loglinear_gated_deltanet_pallas(*a, segment_ids=seg, chunk_size=16,
-                                                     interpret=True, platform=platform)
+                                                     interpret=True, backend=backend)
     want = lambda *a: reference.loglinear_gated_deltanet(*a, segment_ids=seg)
     assert_close(ker(*args), want(*args), TOL)
     w = jnp.asarray(rng.normal(size=args[2].shape), jnp.float32)
     for name, a, b in zip(("q", "k", "v", "g", "beta", "lam"), grads_of(ker, args, range(6), w),
                           grads_of(want, args, range(6), w)):
         assert_close(a, b, TOL, "d" + name)
-    if platform == "gpu":
+    if backend == "triton":
         via_ops = loglinear.loglinear_gated_deltanet(*args, segment_ids=seg, impl="pallas",
                                                      chunk_size=16)
         assert_close(via_ops, want(*args), TOL, "ops, impl='pallas'")
@@ -435,7 +437,7 @@ def test_lowers_for_hardware(platform, c):
     B, T, H, d, dv = 1, 1024, 2, 128, 128
     x = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
     loss = lambda *a: loglinear_gated_deltanet_pallas(
-        *a, chunk_size=c, interpret=False, platform="tpu" if platform == "tpu" else "gpu").sum()
+        *a, chunk_size=c, interpret=False, backend="tpu" if platform == "tpu" else "triton").sum()
     text = lower_for(platform, jax.grad(loss, argnums=tuple(range(6))), x(B, T, H, d),
                      x(B, T, H, d), x(B, T, H, dv), x(B, T, H, dt=jnp.float32),
                      x(B, T, H, dt=jnp.float32), x(B, T, H, fenwick.num_levels(T), dt=jnp.float32))

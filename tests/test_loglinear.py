@@ -11,7 +11,8 @@ from helpers import assert_close, grads_of, make_gate, make_qkv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hla_jax.ops import fenwick, linear, loglinear
+from hla_jax.core import fenwick
+from hla_jax.ops import linear, loglinear
 from hla_jax.ops import reference as ref
 
 OPS = {  # name -> (operator, reference, uses beta, uses lam)

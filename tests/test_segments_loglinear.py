@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 from helpers import assert_close, devices_env, grads_of, make_gate, make_qkv, rel_err
 
-from hla_jax.ops import fenwick, linear, loglinear
+from hla_jax.core import fenwick
+from hla_jax.core.state import LevelState
+from hla_jax.ops import linear, loglinear
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LL_M2, LL_GDN, GDN, M2 = "loglinear_mamba2", "loglinear_gated_deltanet", "gated_deltanet", "mamba2"
@@ -153,7 +155,7 @@ def test_chunked_from_a_state_at_any_position(x64, rng, name):
     grid), with documents, equals the recurrence from that state."""
     args = _args(name, _inputs(rng, T=40, levels=8))
     L, B, H, d, dv = 8, 2, 2, 5, 3
-    state = loglinear.LevelState(jnp.asarray(rng.normal(size=(L, B, H, d, dv))),
+    state = LevelState(jnp.asarray(rng.normal(size=(L, B, H, d, dv))),
                                  jnp.asarray([45, 3], jnp.int32))
     seg = _segment_ids(((9, 20, 11), (40,)))[:, :40]
     kw = {"initial_state": state, "return_final_state": True, "segment_ids": seg}
@@ -193,9 +195,9 @@ def test_step_continues_a_chunked_prefill(x64, rng, name):
 def test_pallas_continues_a_state(rng, name, t0, T):
     """``impl="pallas"`` with ``initial_state`` and ``return_final_state`` (the log-linear
     kernels on the row, composed with one first-order pass for the state's reads and the final
-    state: ``kernels.loglinear.from_state``) equals the recurrence from the same state, rows at
-    different positions, a −∞ reset in the row: outputs, final state, and the gradients of
-    every input and the initial state (float32, the kernels in interpret mode)."""
+    state: ``kernels.loglinear.loglinear_entry.from_state``) equals the recurrence from the same
+    state, rows at different positions, a −∞ reset in the row: outputs, final state, and the
+    gradients of every input and the initial state (float32, the kernels in interpret mode)."""
     L = fenwick.num_levels(300)
     xs = list(_inputs(rng, T=T, H=1, d=16, dv=8, dtype=np.float32, levels=L))
     xs[3] = xs[3].at[1, T // 2].set(-jnp.inf)
@@ -205,7 +207,7 @@ def test_pallas_continues_a_state(rng, name, t0, T):
     def run(impl):
         def f(*a):
             o, st = OPS[name][0](*a[:-1], impl=impl, chunk_size=16,
-                                 initial_state=loglinear.LevelState(a[-1], t),
+                                 initial_state=LevelState(a[-1], t),
                                  return_final_state=True)
             assert np.array_equal(np.asarray(st.t), np.asarray(t) + T)
             return o, st.H

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hla_jax import ops
-from hla_jax.ops import fenwick
+from hla_jax.core import fenwick
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -27,8 +27,9 @@ Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
   ``jla_log_linear_simple_gla``, which runs out of memory at B·T = 65536, so it and a twin row of
   our kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384 (``SMALL_TOKENS``); and the
   two log-linear operators continuing a state at position ``T`` (``loglinear_mamba2_state_pallas``,
-  ``loglinear_gdn_state_pallas``: the kernels composed by ``kernels.loglinear.from_state``;
-  ``…_state_chunked``: the counter form ``impl="auto"`` takes for states).
+  ``loglinear_gdn_state_pallas``: the kernels composed by
+  ``kernels.loglinear.loglinear_entry.from_state``; ``…_state_chunked``: the counter form
+  ``impl="auto"`` takes for states).
 
 The default ``--methods`` (``DEFAULT_METHODS``) are the ones ``TARGETS`` compare plus the XLA rows.
 A method whose import fails (``jla`` not installed) is reported unavailable and skipped. The targets
@@ -65,7 +66,9 @@ import jax.numpy as jnp
 
 from experiments import common
 from hla_jax import kernels, ops
-from hla_jax.ops import fenwick, loglinear_gdn_blocks
+from hla_jax.core import fenwick
+from hla_jax.core.state import LevelState
+from hla_jax.ops import loglinear_gdn_blocks
 
 HLA = ("hla2", "ahla", "hla3")
 
@@ -190,7 +193,7 @@ def _from_state(name, impl):
         B, T, H, d = q.shape
         lam = jnp.pad(lam, ((0, 0),) * 3 + ((0, 1),), constant_values=1.0)
         H0 = jnp.full((lam.shape[-1], B, H, d, v.shape[-1]), 0.01, jnp.float32)
-        state = ops.loglinear_family.LevelState(H0, jnp.full((B,), T, jnp.int32))
+        state = LevelState(H0, jnp.full((B,), T, jnp.int32))
         extra = (beta,) if name == "loglinear_gated_deltanet" else ()
         o, st = getattr(ops, name)(q, k, v, g, *extra, lam, impl=impl, initial_state=state,
                                    return_final_state=True)

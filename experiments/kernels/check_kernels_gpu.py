@@ -30,8 +30,9 @@ Kernels (``CASES``), compiled, not interpreted:
   of their own), GPU numerics checked the same way;
 - ``loglinear_gated_deltanet_blocks_ut``: ``ops.loglinear_gdn_blocks.blocks(terms="kernel")``, that
   block form with its chunk terms from the first-order kernel's Mosaic GPU UT transform and the
-  Triton chunk-terms kernel (``kernels/gpu/gdn_terms.py``), their backward Mosaic GPU's
-  (``kernels/gpu/gdn_terms_mgpu.py``, then the UT backward), and the levels' Triton kernels;
+  Triton chunk-terms kernel (``kernels/loglinear_gdn/gdn_terms_triton.py``), their backward
+  Mosaic GPU's (``kernels/loglinear_gdn/gdn_terms_mgpu.py``, then the UT backward), and the
+  levels' Triton kernels;
 - ``jla_gated_deltanet``: the ``jax-linear-attention`` wheel's Mosaic GPU Gated DeltaNet
   (``linear_attention("gated_deltanet", impl="mosaic_gpu", scale=1)``, from an initial state and
   returning the final state), not ours: its errors under the same oracle and limits, beside our
@@ -72,9 +73,11 @@ import numpy as np
 
 from experiments.common import RESULTS, write_json, write_markdown
 from hla_jax import kernels, ops
+from hla_jax.core import fenwick
+from hla_jax.core.documents import doc_starts
+from hla_jax.core.state import LevelState
 from hla_jax.kernels import wrap
-from hla_jax.ops import common, fenwick, loglinear_gdn_blocks, reference
-from hla_jax.ops.ssm import LevelState
+from hla_jax.ops import loglinear_gdn_blocks, reference
 
 HLA = ("hla2", "ahla", "hla3")
 LOGLINEAR = ("loglinear_mamba2", "loglinear_gated_deltanet")
@@ -261,7 +264,7 @@ def reference_fn(case):
     if seg is not None:  # the documents' resets, docs/math.md#packed-documents
         plain = (reference_fn(case._replace(gate="token")) if case.kernel != "gated_deltanet"
                  else lambda *a: (reference.gated_deltanet(*a),))
-        starts = np.asarray(common.doc_starts(seg))[..., None]
+        starts = np.asarray(doc_starts(seg))[..., None]
         return lambda q, k, v, g, *rest: plain(q, k, v, jnp.where(starts, -jnp.inf, g), *rest)
     if case.kernel == "mamba2":
         return lambda q, k, v, g: (reference.linear_attention(q, k, v, g),)

@@ -1,16 +1,16 @@
-"""Pallas kernels (``gpu/``: Triton and Mosaic GPU for NVIDIA; ``tpu/``: Mosaic TPU,
-interpret-tested): first-order gated linear attention ``la_pallas`` (the kernel of
-``ops.linear_attention`` / ``ops.mamba2``, ``impl="pallas"``, hence the aliases
-``linear_attention_pallas`` and ``mamba2_pallas``, and of the HLA operators' Pallas chains,
-``ops.chains``), first-order Gated DeltaNet ``gated_deltanet_pallas`` (Mosaic GPU) and the
-log-linear kernels."""
+"""Pallas kernels, one package per family, each with its entry (a ``jax.custom_vjp`` over its
+backends), its chunk math and its backends (Mosaic GPU and Triton for NVIDIA, Mosaic TPU,
+interpret-tested): first-order gated linear attention ``la_pallas`` (``la/``; the kernel of
+``ops.linear_attention`` / ``ops.mamba2`` with ``impl="pallas"`` and of the HLA operators'
+Pallas chains, ``ops.chains``), first-order Gated DeltaNet ``gated_deltanet_pallas`` (``gdn/``)
+and the log-linear kernels (``loglinear/``, ``loglinear_gdn/``).  Shared: ``wrap`` (backend
+choice, launch settings, padding), ``mosaic_gpu``, ``triton`` and ``mosaic_tpu`` (each backend's
+helpers)."""
 
-from hla_jax.kernels.gdn import gated_deltanet_pallas
-from hla_jax.kernels.la import la_pallas
-from hla_jax.kernels.loglinear import loglinear_mamba2_pallas
-from hla_jax.kernels.loglinear_gdn import loglinear_gated_deltanet_pallas
+from hla_jax.kernels.gdn.gdn_entry import gated_deltanet_pallas
+from hla_jax.kernels.la.la_entry import la_pallas
+from hla_jax.kernels.loglinear.loglinear_entry import loglinear_mamba2_pallas
+from hla_jax.kernels.loglinear_gdn.loglinear_gdn_entry import loglinear_gated_deltanet_pallas
 
-linear_attention_pallas = mamba2_pallas = la_pallas
-
-__all__ = ["gated_deltanet_pallas", "la_pallas", "linear_attention_pallas", "loglinear_gated_deltanet_pallas",
-           "loglinear_mamba2_pallas", "mamba2_pallas"]
+__all__ = ["gated_deltanet_pallas", "la_pallas", "loglinear_gated_deltanet_pallas",
+           "loglinear_mamba2_pallas"]

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hla_jax.core.documents import doc_positions, same_doc
 from hla_jax.nn.layers import Dense, head_projection, rope
-from hla_jax.ops import common
 
 
 def attention_implementation(dtype) -> str | None:
@@ -53,7 +53,7 @@ class SoftmaxAttention(nnx.Module):
         if segment_ids is None:
             positions, mask = jnp.arange(T), None
         else:
-            positions, mask = common.doc_positions(segment_ids), common.same_doc(segment_ids)[:, None]
+            positions, mask = doc_positions(segment_ids), same_doc(segment_ids)[:, None]
         q, k, v = self._qkv(x, positions)
         o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                          implementation=attention_implementation(x.dtype))
@@ -81,7 +81,7 @@ class SoftmaxAttention(nnx.Module):
         o, k, v = self._attend(x, segment_ids)
         T = x.shape[1]
         start = (jnp.zeros_like(cache["start"]) if segment_ids is None
-                 else T - 1 - common.doc_positions(segment_ids)[:, -1])
+                 else T - 1 - doc_positions(segment_ids)[:, -1])
         cache = {"k": jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), 0, 1),
                  "v": jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), 0, 1),
                  "start": start.astype(jnp.int32)}

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hla_jax.ops import common
+from hla_jax.core.documents import doc_positions
 
 
 def param(rngs: nnx.Rngs, init, shape, names) -> nnx.Param:
@@ -107,7 +107,7 @@ class ShortConv(nnx.Module):
         return jax.nn.silu(sum(taps))
 
     def __call__(self, x, segment_ids=None):
-        doc_pos = None if segment_ids is None else common.doc_positions(segment_ids)
+        doc_pos = None if segment_ids is None else doc_positions(segment_ids)
         return self._window(jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0), (0, 0))), doc_pos)
 
     def init_state(self, batch, heads, width, dtype):
@@ -120,7 +120,7 @@ class ShortConv(nnx.Module):
         xs = jnp.pad(x, ((0, 0), (K - 1, 0), (0, 0), (0, 0)))[:, x.shape[1]:]
         if segment_ids is None:
             return xs
-        last = common.doc_positions(segment_ids)[:, -1:]  # position of the last token in its doc
+        last = doc_positions(segment_ids)[:, -1:]  # position of the last token in its doc
         age = jnp.arange(K - 2, -1, -1)  # slot j holds the input K-2-j tokens before the last
         return jnp.where((age <= last)[..., None, None], xs, 0)
 

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hla_jax.core.checks import check_segment_ids
 from hla_jax.nn.config import ModelConfig
 from hla_jax.nn.layers import Dense, RMSNorm, SwiGLU, param
 from hla_jax.nn.mixers import MIXER_CLASSES
-from hla_jax.ops import common
 
 
 class Block(nnx.Module):
@@ -79,7 +79,7 @@ class LM(nnx.Module):
         (consecutive equal ids form one document, docs/math.md#packed-documents); each document's logits
         are those
         it would get alone."""
-        segment_ids = common.check_segment_ids(segment_ids, *tokens.shape, name="LM")
+        segment_ids = check_segment_ids(segment_ids, *tokens.shape, name="LM")
         x = self._embed(tokens)
         for block in self.blocks:
             x = block(x, segment_ids)
@@ -98,7 +98,7 @@ class LM(nnx.Module):
         """One parallel forward over the prompt ``[B,T]``: its logits and the decode state after
         it (every mixer's final state from the same pass).  ``segment_ids [B,T]``: the state of
         each row's last document (left-padded prompts: padding in its own segment)."""
-        segment_ids = common.check_segment_ids(segment_ids, *tokens.shape, name="LM.prefill")
+        segment_ids = check_segment_ids(segment_ids, *tokens.shape, name="LM.prefill")
         x = self._embed(tokens)
         new = []
         for block, c in zip(self.blocks, cache):

@@ -18,12 +18,13 @@ start from the family's decode state and return ``(o, final_state)``) and ``seq_
 axis time is sharded over, ``ops.sequence``).
 """
 
+from hla_jax.core import fenwick
 from hla_jax.ops import ahla as ahla_family
-from hla_jax.ops import fenwick, reference
 from hla_jax.ops import hla2 as hla2_family
 from hla_jax.ops import hla3 as hla3_family
 from hla_jax.ops import linear as linear_family
 from hla_jax.ops import loglinear as loglinear_family
+from hla_jax.ops import reference
 from hla_jax.ops.ahla import ahla
 from hla_jax.ops.hla2 import hla2
 from hla_jax.ops.hla3 import hla3

@@ -30,7 +30,7 @@ A chain takes ``la(q, k, v, g, h0) -> (o, hT)`` (``q, k: [B,T,H,d]``, ``v: [B,T,
 [B,T,H]`` or ``None``, ``h0, hT: [B,H,d,n]``, ``h0 = None`` zeros, ``hT = None`` when the LA does
 not return states; ``o: [B,T,H,n]``), so the same three functions run over any LA
 implementation: ``over_xla`` (``linear.chunked``, the families' ``chunked`` form,
-sequence-parallel through LA's own ``seq_axis``) and ``over_pallas`` (``kernels.la.la_pallas``).
+sequence-parallel through LA's own ``seq_axis``) and ``over_pallas`` (``kernels.la_pallas``).
 The intermediate (``K̃``, ``Ṽ``) is cast to the inputs' dtype, so 16-bit inputs give the second
 call 16-bit inputs.
 """
@@ -42,8 +42,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hla_jax.core.documents import gate_or_zeros
+from hla_jax.core.state import state_dtype
+from hla_jax.kernels import la_pallas
 from hla_jax.ops import linear
-from hla_jax.ops.common import gate_or_zeros, state_dtype, with_ones_column
+from hla_jax.ops.common import with_ones_column
 from hla_jax.ops.hla_forms import finish
 
 
@@ -113,7 +116,7 @@ def over_xla(chain, state_type):
 
 
 def over_pallas(chain, state_type):
-    """``chain`` over the Pallas LA kernel ``hla_jax.kernels.la.la_pallas`` (float32 outputs and
+    """``chain`` over the Pallas LA kernel ``hla_jax.kernels.la_pallas`` (float32 outputs and
     states; interpret mode on CPU): ``f(q, k, v, g=None, *, normalize, eps, chunk_size,
     initial_state, return_final_state) -> (o, state)``, ``state`` a ``state_type`` or ``None``
     unless ``return_final_state`` (the kernels then skip the final state); inputs in their own
@@ -122,8 +125,6 @@ def over_pallas(chain, state_type):
     @functools.partial(jax.jit, static_argnames=("normalize", "chunk_size", "return_final_state"))
     def pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, initial_state=None,
                return_final_state=False):
-        from hla_jax.kernels.la import la_pallas  # imported at call time: the kernels import ops
-
         def la(q, k, v, g, h0):
             out = la_pallas(q, k, v, g, initial_state=h0, return_final_state=return_final_state,
                             chunk_size=chunk_size)

@@ -114,7 +114,7 @@ def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=
     ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
     ``None``.  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
     "recurrent" | "scan" | "chunked" (``chains.hla2`` over ``linear.chunked``) | "pallas" (the
-    chain over ``hla_jax.kernels.la.la_pallas``; interpret mode on CPU) | "auto" (the Pallas
+    chain over ``hla_jax.kernels.la_pallas``; interpret mode on CPU) | "auto" (the Pallas
     chain on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``:
     the mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
     ``ops.sequence``).  ``segment_ids [B,T]`` int: packed documents, each run as if alone

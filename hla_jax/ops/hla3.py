@@ -37,19 +37,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hla_jax.core.layout import from_chunks, pad_time, to_chunks
 from hla_jax.ops import chains, hla_forms, reference, sequence
-from hla_jax.ops.common import (
-    cast_inputs,
-    causal_mask,
-    ein,
-    from_chunks,
-    mm,
-    outer,
-    pad_time,
-    precision_from_inputs,
-    to_chunks,
-    tr,
-)
+from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, precision_from_inputs, tr
 from hla_jax.ops.hla_forms import finish
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
@@ -386,7 +376,7 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="aut
     "paper".  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
     "recurrent" | "scan" | "chunked" (causal: ``chains.hla3`` over ``linear.chunked``; paper:
     ``paper_chunked``) | "pallas" (causal mask only: the chain over
-    ``hla_jax.kernels.la.la_pallas``; interpret mode on CPU) | "auto" (the causal Pallas chain
+    ``hla_jax.kernels.la_pallas``; interpret mode on CPU) | "auto" (the causal Pallas chain
     on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``: the
     mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
     ``ops.sequence``).  ``segment_ids [B,T]`` int: packed documents, each run as if alone

@@ -9,8 +9,8 @@ first-order LA passes, ``chains.over_xla``) and ``pallas`` form (``chains.over_p
 Packed documents (docs/math.md#packed-documents, ``segment_ids: [B,T]`` int): a decayed family
 (``decayed=True``:
 hla2, ahla, causal hla3) resets its state through its gate, ``g = −∞`` at every document start
-(``common.reset_gate``), which every form of it takes exactly; the ``paper`` mask has no decay, so
-its forms take the starts themselves (``starts: [B,T]`` bool, ``common.doc_starts``): the
+(``core.documents.reset_gate``), which every form of it takes exactly; the ``paper`` mask has no decay, so
+its forms take the starts themselves (``starts: [B,T]`` bool, ``core.documents.doc_starts``): the
 recurrence restarts from the empty state, the scan uses a segmented combine, and the reference
 and chunked forms mask by document.  States (``initial_state`` / ``return_final_state``): the
 recurrent, chunked and Pallas forms start from a state in the family's ``init_state`` layout and
@@ -27,21 +27,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hla_jax.core.checks import check_chunk_size, check_gate, check_impl, check_qkv, check_segment_ids
+from hla_jax.core.documents import doc_starts, reset_gate
+from hla_jax.core.state import state_dtype
 from hla_jax.ops import common, sequence
-from hla_jax.ops.common import (
-    cast_inputs,
-    check_chunk_size,
-    check_gate,
-    check_impl,
-    check_qkv,
-    check_segment_ids,
-    doc_starts,
-    pallas_preferred,
-    ratio_last_column,
-    reset_gate,
-    scan_time,
-    state_dtype,
-)
+from hla_jax.ops.common import cast_inputs, pallas_preferred, ratio_last_column, scan_time
 
 
 class Family(NamedTuple):

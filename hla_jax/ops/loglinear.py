@@ -33,11 +33,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hla_jax.ops import common, fenwick, loglinear_gdn_blocks, reference, sequence
+from hla_jax.core import fenwick
+from hla_jax.core.checks import (
+    check_chunk_size,
+    check_gate,
+    check_impl,
+    check_lam,
+    check_per_token,
+    check_qkv,
+    check_segment_ids,
+)
+from hla_jax.core.documents import doc_positions, doc_starts, gate_or_zeros, reset_gate
+from hla_jax.core.state import LevelState, state_dtype
+from hla_jax.kernels import (
+    gated_deltanet_pallas,
+    la_pallas,
+    loglinear_gated_deltanet_pallas,
+    loglinear_mamba2_pallas,
+)
+from hla_jax.kernels.gdn import gdn_entry
+from hla_jax.kernels.loglinear.loglinear_entry import from_state
+from hla_jax.ops import common, loglinear_gdn_blocks, reference, sequence
 from hla_jax.ops.loglinear_blocks import blocks
 from hla_jax.ops.loglinear_chunked import chunked
 from hla_jax.ops.ssm import (
-    LevelState,
     cast,
     cast_state,
     combine,
@@ -48,13 +67,14 @@ from hla_jax.ops.ssm import (
     token_summaries,
 )
 
-__all__ = ["LevelState", "chunked", "combine", "gated_deltanet", "init_state", "loglinear_gated_deltanet",
+__all__ = ["chunked", "combine", "gated_deltanet", "init_state", "loglinear_gated_deltanet",
            "loglinear_mamba2", "readout", "recurrent", "run", "scan", "step", "token_summaries"]
 
 IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
-# the entries with impl="pallas" (``common.pallas_entry``; linear_attention and mamba2: la_pallas)
-KERNELS = ("linear_attention", "mamba2", "gated_deltanet", "loglinear_mamba2",
-           "loglinear_gated_deltanet")
+# the kernel of each entry with impl="pallas"
+KERNELS = {"linear_attention": la_pallas, "mamba2": la_pallas, "gated_deltanet": gated_deltanet_pallas,
+           "loglinear_mamba2": loglinear_mamba2_pallas,
+           "loglinear_gated_deltanet": loglinear_gated_deltanet_pallas}
 
 
 # --------------------------------------------------------------------------- forms
@@ -65,12 +85,12 @@ def recurrent(q, k, v, g, beta=None, lam=None, initial_state=None, segment_ids=N
     ``initial_state`` (``init_state``'s layout; None: zeros).  ``segment_ids [B,T]``: the state
     is reset at each document start (``g = -inf``, and the level position restarts at 0).
     Returns ``(outputs, final state)``."""
-    dt = common.state_dtype(q, k, v, g, beta, lam)
+    dt = state_dtype(q, k, v, g, beta, lam)
     q, k, v, g, beta, lam = cast(dt, q, k, v, g, beta, lam)
     B, _, H, d = q.shape
     g = reset(g, segment_ids)
     levels = None if lam is None else lam.shape[-1]
-    starts = None if lam is None or segment_ids is None else common.doc_starts(segment_ids)
+    starts = None if lam is None or segment_ids is None else doc_starts(segment_ids)
 
     def body(state, start, *x):
         if start is not None:
@@ -104,14 +124,14 @@ def scan(q, k, v, g, beta=None, lam=None, segment_ids=None):
     Memory O(T·d·dv) per level, plus O(T·d²) per level for Gated DeltaNet's transitions: use
     the chunked form for long sequences.
     """
-    dt = common.state_dtype(q, k, v, g, beta, lam)
+    dt = state_dtype(q, k, v, g, beta, lam)
     q, k, v, g, beta, lam = cast(dt, q, k, v, g, beta, lam)
     T = q.shape[1]
     A, X = token_summaries(k, v, reset(g, segment_ids), beta)
     if lam is None:
         return readout(_segmented_states(A, X, np.zeros(T, bool)), q)
     pos = (jnp.broadcast_to(jnp.arange(T), q.shape[:2]) if segment_ids is None
-           else common.doc_positions(segment_ids))
+           else doc_positions(segment_ids))
     levels = fenwick.num_levels(T)
     lev = jnp.arange(1, levels)[:, None, None]
     left = (((pos >> (lev - 1)) & 1) == 0)[..., None, None]     # [ℓ, B, T, 1, 1]
@@ -128,21 +148,6 @@ _JITTED = {"recurrent": jax.jit(recurrent), "scan": jax.jit(scan),
            "chunked": jax.jit(chunked, static_argnames=("chunk_size", "seq_axis")),
            "blocks": jax.jit(blocks, static_argnames="chunk_size"),
            "gdn_blocks": jax.jit(loglinear_gdn_blocks.blocks, static_argnames=("chunk_size", "terms"))}
-
-
-def check_lam(lam, B, T, H, *, name, T_all=None):
-    """``lam: [B,T,H,L]`` with ``L ≥ fenwick.num_levels(T_all)`` (``T_all``: the global length
-    of a sharded sequence, default ``T``); ValueError otherwise."""
-    lam = jnp.asarray(lam)
-    T_all = T if T_all is None else T_all
-    need = fenwick.num_levels(T_all)
-    if lam.ndim != 4 or lam.shape[:3] != (B, T, H):
-        raise ValueError(f"{name}: lam must have shape [B,T,H,levels] with [B,T,H]={(B, T, H)}, "
-                         f"got {lam.shape}")
-    if lam.shape[-1] < need:
-        raise ValueError(f"{name}: lam has {lam.shape[-1]} levels but T={T_all} needs at least "
-                         f"{need} (⌈log2 T⌉+1)")
-    return lam
 
 
 def _reference(q, k, v, g, beta, lam, segment_ids):
@@ -183,11 +188,7 @@ def check_state(initial_state, return_final_state, impl, seq_axis, B, H, d, dv, 
 def _kernel_takes(name, q, k, v, chunk_size) -> bool:
     """Whether ``name``'s kernel runs these inputs here: the Gated DeltaNet kernel is Hopper's
     (Mosaic GPU: 16-bit, ``d ∈ {64, 128}``, chunk 64); the others take any GPU input."""
-    if name != "gated_deltanet":
-        return True
-    from hla_jax.kernels import gdn
-
-    return gdn.supports(q, k, v, chunk_size)
+    return name != "gated_deltanet" or gdn_entry.supports(q, k, v, chunk_size)
 
 
 def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, log_levels=False,
@@ -203,19 +204,19 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     each document start, and the log-linear levels count from it); ``initial_state`` /
     ``return_final_state``: the recurrent, chunked and Pallas forms start from a state in
     ``init_state``'s layout and return ``(o, final_state)`` (the log-linear kernels through
-    ``kernels.loglinear.from_state``: the kernels on the row, one first-order pass for the
-    state).
+    ``kernels.loglinear.loglinear_entry.from_state``: the kernels on the row, one first-order
+    pass for the state).
     """
-    impl = common.check_impl(impl, IMPLS, name=name)
+    impl = check_impl(impl, IMPLS, name=name)
     if impl == "pallas" and name not in KERNELS:
-        raise ValueError(f"{name}: impl='pallas' has kernels for {KERNELS} only")
+        raise ValueError(f"{name}: impl='pallas' has kernels for {tuple(KERNELS)} only")
     sequence.check_impl(impl, seq_axis, name=name)
-    chunk_size = common.check_chunk_size(chunk_size)
-    B, T, H, d, dv = common.check_qkv(q, k, v, name=name)
-    g = common.check_gate(g, B, T, H, name=name, required=gate_required)
-    segment_ids = common.check_segment_ids(segment_ids, B, T, name=name)
+    chunk_size = check_chunk_size(chunk_size)
+    B, T, H, d, dv = check_qkv(q, k, v, name=name)
+    g = check_gate(g, B, T, H, name=name, required=gate_required)
+    segment_ids = check_segment_ids(segment_ids, B, T, name=name)
     if beta is not None:
-        beta = common.check_per_token(beta, B, T, H, "beta", name=name)
+        beta = check_per_token(beta, B, T, H, "beta", name=name)
     levels = None
     if log_levels:
         lam = check_lam(lam, B, T, H, name=name, T_all=T * sequence.axis_size(seq_axis))
@@ -245,14 +246,12 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
     impl = "chunked" if impl == "auto" else impl
     if impl == "pallas":  # the kernels take g=None as no decay
         extra = [x for x in (beta, lam) if x is not None]
-        g = common.reset_gate(g, segment_ids, B, T, H, q.dtype, seq_axis)
-        entry = common.pallas_entry(name)
+        g = reset_gate(g, segment_ids, B, T, H, q.dtype, seq_axis)
+        entry = KERNELS[name]
         if lam is None:
             return entry(q, k, v, g, *extra, chunk_size=chunk_size, initial_state=initial_state,
                          return_final_state=return_final_state)
         if state_args:  # a state: the kernels on the row, composed with one first-order pass
-            from hla_jax.kernels.loglinear import from_state
-
             plain = functools.partial(run, "mamba2" if beta is None else "gated_deltanet",
                                       chunk_size=chunk_size)
             out = from_state(functools.partial(entry, chunk_size=chunk_size), plain,
@@ -260,7 +259,7 @@ def run(name, q, k, v, g, beta=None, lam=None, *, impl="auto", chunk_size=64, lo
                              None if initial_state is None else cast_state(initial_state, jnp.float32))
             return out if return_final_state else out[0]
         return entry(q, k, v, g, *extra, chunk_size=chunk_size, segment_ids=segment_ids)
-    g = common.gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)
+    g = gate_or_zeros(g, B, T, H, q.dtype if g is None else g.dtype)
     if impl == "reference":
         return _reference(q, k, v, g, beta, lam, segment_ids)
     blocked = impl == "chunked" and lam is not None and not given and seq_axis is None
@@ -297,9 +296,9 @@ def loglinear_mamba2(q, k, v, g, lam, *, segment_ids=None, initial_state=None,
     form (``ops.loglinear_chunked``).  ``impl="pallas"``:
     ``hla_jax.kernels.loglinear_mamba2_pallas`` (the block form's kernels), with
     ``segment_ids`` on an aligned layout of up to ``2T`` tokens, or with a state
-    (``kernels.loglinear.from_state``: the kernels on the row at its offset below ``2^K ≥ T``,
-    up to ``3T`` tokens, and one ``mamba2`` pass with ``2L·dv`` value columns for the state's
-    reads and the final state), not both; "auto"
+    (``kernels.loglinear.loglinear_entry.from_state``: the kernels on the row at its offset
+    below ``2^K ≥ T``, up to ``3T`` tokens, and one ``mamba2`` pass with ``2L·dv`` value columns
+    for the state's reads and the final state), not both; "auto"
     takes it on a GPU for bf16 inputs (``common.pallas_preferred``), else "chunked"."""
     return run("loglinear_mamba2", q, k, v, g, None, lam, impl=impl, chunk_size=chunk_size,
                log_levels=True, seq_axis=seq_axis, segment_ids=segment_ids,

@@ -15,6 +15,8 @@ the right half), the levels are independent, and inside a chunk levels ``0..lc``
 attention ``(Λ ∘ (QKᵀ) ∘ Γ) V``.  O(T·c·d + T·d·dv·log(T/c)) work, all of it matmuls;
 autodiff gives the backward.  The decays ``D(m, s)`` and ``D(t, m)`` are cumulative sums inside
 one half (never differences of long sums), so a reset ``g = −∞`` just zeroes what crosses it.
+The halves and the per-token weights ``D(m, s)``, ``λ_t^{lc+1+j} D(t, m)`` are
+``core.block_levels``' (the kernels use them too).
 
 16-bit inputs run the matmuls on 16-bit operands with float32 accumulation, forward and backward
 (``dot16``: the cotangent is rounded to the operands' dtype, as the kernels do); the states,
@@ -28,7 +30,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import common, fenwick
+from hla_jax.core import fenwick
+from hla_jax.core.block_levels import halves, token_weights
+from hla_jax.core.layout import heads_first
+from hla_jax.core.state import state_dtype
+from hla_jax.ops import common
 
 F32 = jnp.float32
 
@@ -57,47 +63,6 @@ def _dot16_bwd(spec, res, ct):
 dot16.defvjp(_dot16_fwd, _dot16_bwd)
 
 
-def heads_first(x, Tp: int, dtype):
-    """``[B,T,H,...] -> [B,H,Tp,...]`` in ``dtype``, zero-padded to ``Tp`` tokens."""
-    x = jnp.pad(x.astype(dtype), [(0, 0), (0, Tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
-    return jnp.moveaxis(x, 2, 1)
-
-
-def halves(x, span: int):
-    """``[B,H,Tp,...] -> [B,H,nb,2,span,...]``: aligned blocks of ``2·span`` tokens (zero-padded),
-    their left and right halves."""
-    B, H, Tp = x.shape[:3]
-    nb = -(-Tp // (2 * span))
-    x = jnp.pad(x, [(0, 0), (0, 0), (0, nb * 2 * span - Tp)] + [(0, 0)] * (x.ndim - 3))
-    return x.reshape((B, H, nb, 2, span) + x.shape[3:])
-
-
-def level_decays(G, span: int):
-    """``(log D(m, s), log D(t, m))``, each ``[B,H,nb,span]``: from a token ``s`` of a left half
-    to its end ``m``, and from ``m`` to a token ``t`` of the right half, for the aligned blocks
-    of ``2·span`` tokens of ``G [B,H,Tp]`` (log-decays); cumulative sums inside one half."""
-    Gh = halves(G, span)
-    after = jnp.pad(Gh[:, :, :, 0, 1:], [(0, 0)] * 3 + [(0, 1)])    # g_{s+1}, 0 past m
-    return jnp.flip(jnp.cumsum(jnp.flip(after, -1), -1), -1), jnp.cumsum(Gh[:, :, :, 1], -1)
-
-
-def aligned_layout(segment_ids):
-    """``(dest [B,T] int32, Tb = 2T)``: where each token of a packed row goes in a buffer in
-    which every document starts at a multiple of ``2^⌈log2 L⌉`` (``L`` its length), so the
-    levels on the grid of the buffer's positions are the document's own,
-    ``bit_length((t−t0) XOR (s−t0))``.  The documents are placed by those slots in decreasing
-    order, so each offset is a multiple of its slot; the slots sum to less than ``2T``."""
-    B, T = segment_ids.shape
-    doc = jnp.cumsum(common.doc_starts(segment_ids), axis=1, dtype=jnp.int32)
-    length = jax.vmap(lambda d: jnp.zeros(T, jnp.int32).at[d].add(1))(doc)
-    slot = jnp.where(length > 0, 1 << fenwick.bit_length(jnp.maximum(length - 1, 0)), 0)
-    order = jnp.argsort(-slot, axis=1, stable=True)
-    sizes = jnp.take_along_axis(slot, order, axis=1)
-    offset = jax.vmap(lambda o, x: jnp.zeros(T, jnp.int32).at[o].set(x))(
-        order, jnp.cumsum(sizes, axis=1) - sizes)
-    return jnp.take_along_axis(offset, doc, axis=1) + common.doc_positions(segment_ids), 2 * T
-
-
 def _chunk_decay(G):
     """``Γ[..., τ, σ] = D(τ, σ)`` on ``σ ≤ τ`` inside each chunk (``G: [..., c]`` log-decays):
     ``exp(b_τ − b_σ)`` from the chunk-local cumulative sums of the finite log-decays, zero where
@@ -116,20 +81,6 @@ def _intra(Q, K, V, G, Lam, lc: int, dot):
     lam = fenwick.at_table(Lam, fenwick.level_table(1 << lc))
     P = dot("...td,...sd->...ts", Q, K) * _chunk_decay(G) * lam
     return dot("...ts,...sv->...tv", P.astype(V.dtype), V)
-
-
-def token_weights(G, Lam, lc: int, N: int):
-    """``LW: [B,H,P,Tp]``, ``P = bit_length(N − 1)`` chunk levels: at level ``j`` a token of a
-    left half weighs ``D(m, s)`` in ``H_j``, one of a right half reads ``H_j`` with
-    ``λ_t^{lc+1+j} D(t, m)`` (``G [B,H,Tp]`` log-decays, ``Lam [B,H,Tp,L]``, ``N`` chunks)."""
-    B, H, Tp = G.shape
-    rows = []
-    for j in range(fenwick.num_levels(N) - 1):
-        span = (Tp // N) << j
-        left, right = level_decays(G, span)
-        lam = halves(Lam[..., lc + 1 + j], span)[:, :, :, 1]
-        rows.append(jnp.stack([jnp.exp(left), lam * jnp.exp(right)], 3).reshape(B, H, -1)[:, :, :Tp])
-    return jnp.stack(rows, 2) if rows else jnp.zeros((B, H, 0, Tp), G.dtype)
 
 
 def _levels(Q, K, V, LW, N: int, dot):
@@ -158,7 +109,7 @@ def blocks(q, k, v, g, lam, chunk_size: int = 64):
     c = chunk_size
     N = -(-T // c)
     low = all(jnp.dtype(x.dtype).itemsize < 4 for x in (q, k, v))
-    mdt = q.dtype if low else common.state_dtype(q, k, v, g, lam)   # matmul operands
+    mdt = q.dtype if low else state_dtype(q, k, v, g, lam)   # matmul operands
     sdt = F32 if low else mdt                                        # states, decays, outputs
     dot = dot16 if low else functools.partial(jnp.einsum, precision=common.HIGHEST)
 

@@ -14,8 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-from hla_jax.ops import common, fenwick, sequence
-from hla_jax.ops.ssm import LevelState, cast, combine, mul, reset
+from hla_jax.core import fenwick
+from hla_jax.core.documents import doc_positions, doc_starts
+from hla_jax.core.layout import from_chunks, to_chunks
+from hla_jax.core.state import LevelState, state_dtype
+from hla_jax.ops import common, sequence
+from hla_jax.ops.ssm import cast, combine, mul, reset
 
 
 def chunk_terms(Q, K, V, G, Beta):
@@ -248,7 +252,7 @@ def _document_plan(pos, Qh, Kw, V, own, S: int):
 def _shard_start(segment_ids, t0, T: int, seq_axis):
     """``[B]``: the position of this shard's first token in its document, ``t0`` minus the
     last document start on an earlier shard (0 if none; ``sequence.device_prefix``)."""
-    starts = common.doc_starts(segment_ids, seq_axis)
+    starts = doc_starts(segment_ids, seq_axis)
     latest = jnp.max(jnp.where(starts, t0 + jnp.arange(T), 0), axis=1)
     return t0 - sequence.device_prefix(lambda _, a, s: jnp.maximum(a, s), jnp.zeros_like(latest),
                                        latest, seq_axis)
@@ -319,7 +323,7 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None, initi
     first token's position in its document (``_shard_start``) and the earlier shards' keys are
     read in a second pass (``_incoming_read``).
     """
-    dt = common.state_dtype(q, k, v, g, beta, lam)
+    dt = state_dtype(q, k, v, g, beta, lam)
     q, k, v, g, beta, lam = cast(dt, q, k, v, g, beta, lam)
     B, T = q.shape[:2]
     g = reset(g, segment_ids, seq_axis)
@@ -332,14 +336,14 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None, initi
 
     def chunks(x):
         x = jnp.pad(x, [(0, 0), (0, N * c - T)] + [(0, 0)] * (x.ndim - 2))
-        return common.to_chunks(jnp.roll(x, shift, axis=1) if shifted else x, c)
+        return to_chunks(jnp.roll(x, shift, axis=1) if shifted else x, c)
 
     Q, K, V, G, Beta, Lam = (None if x is None else chunks(x) for x in (q, k, v, g, beta, lam))
     M, Qh, A_c, Kw = chunk_terms(Q, K, V, G, Beta)
     own = common.ein("...cd,...cv->...dv", Kw, V)
     if Lam is None:
         prefix, final = _prefix_plain(Qh, A_c, own, seq_axis, initial_state)
-        return common.from_chunks(common.ein("...ts,...sv->...tv", M, V) + prefix, T), final
+        return from_chunks(common.ein("...ts,...sv->...tv", M, V) + prefix, T), final
     L = Lam.shape[-1]
     lc = fenwick.chunk_log2(c)
     S = fenwick.num_levels(-(-(T * sequence.axis_size(seq_axis)) // c) + int(shifted))
@@ -352,7 +356,7 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None, initi
         elif seq_axis is not None:
             start = _shard_start(segment_ids, t0, T, seq_axis)
         pos = (start[:, None] + jnp.arange(T, dtype=jnp.int32) if segment_ids is None
-               else common.doc_positions(segment_ids, start, seq_axis))
+               else doc_positions(segment_ids, start, seq_axis))
         pos = jnp.concatenate([pos, pos[:, -1:] + 1 + jnp.arange(N * c - T)], 1)
         pos = pos.reshape(B, 1, N, c)
         plan = _document_plan(pos, Qh, Kw, V, own, S)
@@ -377,5 +381,5 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None, initi
     if seq_axis is not None and documents:
         out = out + _incoming_read(Qh, A_c, Lam, pos, start, final, seq_axis)
         final = None
-    out = common.from_chunks(out, N * c)
+    out = from_chunks(out, N * c)
     return (jnp.roll(out, -shift, axis=1) if shifted else out)[:, :T], final

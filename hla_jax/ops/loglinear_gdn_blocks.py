@@ -22,9 +22,9 @@ right half,
 Each level is four batched matmuls, two combining adjacent blocks and two over the right
 halves' tokens: O(T·c·d + T·d·(d+dv)·log(T/c) + (T/c)·d²·(d+dv)) work, depth O(log T), no
 scan; autodiff gives the backward.  Inside a chunk levels ``0..lc`` are ``(Λ ∘ M) V``
-(``loglinear_chunked.window``).  With ``terms="kernel"`` the window and the levels are Triton
-kernels (``kernels.gdn_blocks.output``, its backward the window's by XLA and the levels' by
-Triton).
+(``core.block_levels.chunk_window``).  With ``terms="kernel"`` the window and the levels are
+Triton kernels (``kernels.loglinear_gdn.gdn_blocks.output``, its backward the window's by XLA
+and the levels' by Triton).
 Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
 transitions). The chunk terms are formed in the state dtype at the caller's matmul precision
 (``common.matmul_precision``; ``terms="kernel"``'s kernels: float32 factors as two 16-bit halves in
@@ -42,9 +42,14 @@ import functools
 
 import jax.numpy as jnp
 
-from hla_jax.ops import common, fenwick
-from hla_jax.ops.loglinear_blocks import dot16, halves, heads_first
-from hla_jax.ops.loglinear_chunked import chunk_terms, window
+from hla_jax.core import fenwick
+from hla_jax.core.block_levels import chunk_window, halves
+from hla_jax.core.layout import heads_first
+from hla_jax.core.state import state_dtype
+from hla_jax.kernels.loglinear_gdn import gdn_blocks
+from hla_jax.ops import common
+from hla_jax.ops.loglinear_blocks import dot16
+from hla_jax.ops.loglinear_chunked import chunk_terms
 from hla_jax.ops.ssm import combine
 
 
@@ -98,16 +103,6 @@ def _levels(Qh, Pi, Z, Lam, lc: int, N: int):
     return _read(Qh, _sweep(Pi, Z, P, dot), Lam[..., lc + 1:lc + 1 + P], Qh.shape[2] // N, dot)
 
 
-def chunk_window(M, V, Lam):
-    """The window ``(Λ ∘ M) V`` (``loglinear_chunked.window``) on ``chunk_parts``' layouts:
-    ``M [B,H,N,c,c]`` (or ``[B,H,N·c,c]``), ``V [B,N·c,H,dv]``, ``Lam [B,H,N·c,L]`` ->
-    ``[B,H,N·c,dv]``."""
-    B, H, Tp, c = Lam.shape[:3] + M.shape[-1:]
-    chunk = lambda x: x.reshape(B, H, Tp // c, c, -1)                           # noqa: E731
-    out = window(chunk(Lam), chunk(M), chunk(jnp.moveaxis(V, 1, 2)), fenwick.level_table(c))
-    return out.reshape(B, H, Tp, -1)
-
-
 def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     """Log-linear Gated DeltaNet ``o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) k_s β_s v_sᵀ``
     in the block form (module docstring): ``q, k [B,T,H,d]`` (keys L2-normalised by the caller),
@@ -115,13 +110,13 @@ def blocks(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla"):
     ``chunk_size`` a power of two -> ``[B,T,H,dv]`` in the state dtype (float32; float64 for
     float64 inputs).  ``terms="kernel"``: the per-chunk terms from the first-order kernel's UT
     transform, the window and the chunk levels' up-sweep and reads on Triton
-    (``kernels.gdn_blocks``; chunk 64, ``d`` a power of two ≥ 16; the GPU and Triton interpreters
-    on CPU; log-decays floored at ``kernels.wrap.LOG_DECAY_FLOOR``), else XLA's."""
+    (``kernels.loglinear_gdn.gdn_blocks``; chunk 64, ``d`` a power of two ≥ 16; the GPU and
+    Triton interpreters on CPU; log-decays floored at ``kernels.wrap.LOG_DECAY_FLOOR``), else
+    XLA's."""
     M, Qh, A_c, Z, V, Lam = chunk_parts(q, k, v, g, beta, lam, chunk_size, terms)
     B, H, N, c, d = Qh.shape
     lc, Qh = fenwick.chunk_log2(c), Qh.reshape(B, H, N * c, d)
     if terms == "kernel":
-        from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
         return gdn_blocks.output(M.reshape(B, H, N * c, c), V, Qh, A_c, Z, Lam, lc)[:, :q.shape[1]]
     out = chunk_window(M, V, Lam) + _levels(Qh, A_c, Z, Lam, lc, N)
     return jnp.moveaxis(out, 1, 2)[:, :q.shape[1]]
@@ -138,13 +133,12 @@ def chunk_parts(q, k, v, g, beta, lam, chunk_size: int = 64, terms: str = "xla")
     c = chunk_size
     fenwick.chunk_log2(c)                       # ValueError unless a power of two
     N = -(-q.shape[1] // c)
-    dt = common.state_dtype(q, k, v, g, beta, lam)
+    dt = state_dtype(q, k, v, g, beta, lam)
     mdt = q.dtype if all(jnp.dtype(x.dtype).itemsize < 4 for x in (q, k, v)) else dt
     chunk = lambda x: x.reshape(x.shape[:2] + (N, c) + x.shape[3:])      # noqa: E731
     V = jnp.pad(v.astype(mdt), ((0, 0), (0, N * c - v.shape[1]), (0, 0), (0, 0)))
     Lam = heads_first(lam, N * c, dt)
     if terms == "kernel":
-        from hla_jax.kernels import gdn_blocks  # imported at call time: the kernels import ops
         if c != gdn_blocks.C or dt != jnp.float32:
             raise ValueError(f"loglinear_gdn_blocks: terms='kernel' takes chunk_size={gdn_blocks.C} "
                              f"and float32 or 16-bit inputs, got {chunk_size} and {dt}")

@@ -12,8 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hla_jax.core.documents import doc_positions, same_doc
+from hla_jax.core.state import state_dtype
 from hla_jax.ops.common import HIGHEST as _HI
-from hla_jax.ops.common import clamp_signed, decay_matrix, doc_positions, same_doc, state_dtype
+from hla_jax.ops.common import clamp_signed, decay_matrix
 
 
 def _ein(spec, *xs):
@@ -76,7 +78,7 @@ def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, same=None
     i.e. ``((W_g Wᵀ) ∘ Γ)(W_g V)``.  ``paper`` (no decay): the sum over index triples
     ``(i,u,j) ≤ t`` of ``(q_t·k_i)(k_i·q_u)(q_u·k_j) v_j`` whose largest index occurs at least
     twice, computed by splitting on which indices equal the maximum ``m``.  ``same: [B,T,T]``
-    bool (packed documents, ``common.same_doc``) zeroes the cross-document entries of ``QKᵀ``:
+    bool (packed documents, ``core.documents.same_doc``) zeroes the cross-document entries of ``QKᵀ``:
     every triple with an index outside ``t``'s document then vanishes.
     """
     if mask not in ("causal", "paper"):

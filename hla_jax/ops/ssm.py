@@ -1,18 +1,18 @@
 """The state-space algebra of the first-order SSM core (``ops.loglinear``): a token's transition
 ``A_t`` (``a_t`` for Mamba-2, ``a_t (I − β_t k_t k_tᵀ)`` for Gated DeltaNet) and write
 ``X_t = k_t β_t v_tᵀ``, their associative ``combine``, the readout, and the decode state and step
-(plain ``[B,H,d,dv]``; log-linear ``LevelState``), shared by the recurrent, scan and chunked
+(plain ``[B,H,d,dv]``; log-linear ``core.state.LevelState``), shared by the recurrent, scan and chunked
 forms (``loglinear.py``, ``loglinear_chunked.py``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import common, fenwick
+from hla_jax.core import fenwick
+from hla_jax.core.documents import reset_gate
+from hla_jax.core.state import LevelState
+from hla_jax.ops import common
 
 
 def mul(A, X, mm=common.mm):
@@ -49,18 +49,6 @@ def readout(H, q, lam=None):
     if lam is None:
         return common.ein("...d,...dv->...v", q, H)
     return common.ein("...l,...d,l...dv->...v", lam, q, H)
-
-
-class LevelState(NamedTuple):
-    """Decode state of the log-linear operators (docs/math.md#loglinear).
-
-    ``H: [L,B,H,d,dv]``: ``H[ℓ]`` holds the keys at level ℓ of the last token (``H[0]`` the
-    token itself), carried through the transitions up to it; ``t: [B] int32``: the position of
-    the next token in its document, one per row (rows may be at different positions).
-    """
-
-    H: jax.Array
-    t: jax.Array
 
 
 def init_state(B, H, d, dv, levels=None, dtype=jnp.float32):
@@ -106,5 +94,5 @@ def cast_state(state, dt):
 
 
 def reset(g, segment_ids, seq_axis=None):
-    """``g: [B,T,H]`` with ``-inf`` at every document start (``common.reset_gate``)."""
-    return common.reset_gate(g, segment_ids, *g.shape, g.dtype, seq_axis)
+    """``g: [B,T,H]`` with ``-inf`` at every document start (``core.documents.reset_gate``)."""
+    return reset_gate(g, segment_ids, *g.shape, g.dtype, seq_axis)

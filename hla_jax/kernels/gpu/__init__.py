@@ -1,1 +1,0 @@
-"""Pallas kernels lowered through Triton for NVIDIA GPUs."""
