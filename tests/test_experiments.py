@@ -174,8 +174,7 @@ def test_bench_ops_jla_mode_without_jla(tmp_path, monkeypatch):
 
 
 def test_bench_ops_jla_mode_same_operators(tmp_path):
-    """With jla installed, its forms compute our operators (scale 1): outputs agree."""
-    pytest.importorskip("jla")
+    """jla (the ``bench`` extra, part of ``dev``) computes our operators (scale 1): outputs agree."""
     bench_ops.main(["--jla", "--only", "mamba2,gated_deltanet", "--shape", "B=1,H=1,T=40,d=8,dv=4",
                     "--repeats", "1", "--tag", "t", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "bench_ops_jla_cpu_t.json").read_text())["rows"]
