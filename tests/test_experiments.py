@@ -162,7 +162,8 @@ def test_bench_ops_times_several_forms_at_one_shape(tmp_path):
 
 def test_bench_ops_jla_mode_without_jla(tmp_path, monkeypatch):
     """``--jla`` without the peer package installed: our forms only, a note, the files written."""
-    monkeypatch.setitem(sys.modules, "jla", None)  # `import jla...` raises ImportError
+    for name in [m for m in sys.modules if m == "jla" or m.startswith("jla.")] + ["jla"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import jla...` raises ImportError
     bench_ops.main(["--jla", "--shape", "B=1,H=1,T=40,d=8,dv=4", "--repeats", "2", "--tag", "t",
                     "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "bench_ops_jla_cpu_t.json").read_text())["rows"]
@@ -203,7 +204,8 @@ def test_bench_kernels_runs_a_tiny_shape(tmp_path, monkeypatch):
     whose import fails is reported unavailable, not a crash."""
     from experiments.kernels import bench_kernels
 
-    monkeypatch.setitem(sys.modules, "jla", None)  # as if the wheel were not installed
+    for name in [m for m in sys.modules if m == "jla" or m.startswith("jla.")] + ["jla"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if the wheel were not installed
     bench_kernels.main(["--shape", "2,16,32", "--T", "64", "--tokens", "128", "--repeats", "1",
                         "--methods", "mamba2_pallas,hla2_pallas,jla_simple_gla,mamba2_xla_chunked",
                         "--out", str(tmp_path), "--name", "tiny", "--matmul_n", "256"])
