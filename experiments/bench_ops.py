@@ -18,9 +18,9 @@ file ``bench_ops_<backend>_<tag>.json``.
 
     python -m experiments.bench_ops --jla --repeats 5   # against jax-linear-attention
 
-``--jla``: our XLA chunked forms of mamba2 (``ops.la_chunked``), gated_deltanet
-(``ops.gdn_chunked``) and loglinear_mamba2 (its ``impl="chunked"``) against the plain-JAX chunked
-forms of the optional peer package ``jax-linear-attention`` (``jla``: ``simple_gla``,
+``--jla``: our XLA chunked forms (``impl="chunked"``) of mamba2 (``ops.la_chunked``),
+gated_deltanet (``ops.gdn_chunked``) and loglinear_mamba2 (``ops.loglinear_blocks``) against the
+plain-JAX chunked forms of the optional peer package ``jax-linear-attention`` (``jla``: ``simple_gla``,
 ``gated_delta_rule``, ``log_linear_simple_gla_chunked``, at ``scale=1``, the same operators) at
 T = 4096 and 16384 (B = 1, H = 4, d = dv = 64, chunk 64): forward+backward, the two forms
 compiled side by side and timed in alternating rounds (one call each per round, ``--repeats``
@@ -45,7 +45,6 @@ from tqdm import tqdm
 
 from experiments import common
 from hla_jax import ops
-from hla_jax.ops import gdn_chunked, la_chunked
 
 # name -> (forward+backward target, shape)
 HLA = dict(B=1, H=4, T=16384, d=64, dv=64)
@@ -132,8 +131,8 @@ def jla_pairs():
     """``{operator: (ours, jla's)}``: forward callables on ``make_inputs``' arguments; jla's are
     None when the package is missing."""
     ours = {
-        "mamba2": lambda q, k, v, g: la_chunked.chunked(q, k, v, g)[0],
-        "gated_deltanet": lambda q, k, v, g, beta: gdn_chunked.chunked(q, k, v, g, beta)[0],
+        "mamba2": lambda q, k, v, g: ops.mamba2(q, k, v, g, impl="chunked"),
+        "gated_deltanet": lambda q, k, v, g, beta: ops.gated_deltanet(q, k, v, g, beta, impl="chunked"),
         "loglinear_mamba2": lambda q, k, v, g, lam: ops.loglinear_mamba2(q, k, v, g, lam, impl="chunked"),
     }
     try:
@@ -231,9 +230,9 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown operators {sorted(unknown)}; choose from {list(OPERATORS)}")
     impls = [i for i in a.impls.split(",") if i]
-    bad = set(impls) - set(ops.common.IMPLS)
+    bad = set(impls) - set(ops.dispatch.IMPLS)
     if bad:
-        p.error(f"--impls: unknown {sorted(bad)}; choose from {ops.common.IMPLS}")
+        p.error(f"--impls: unknown {sorted(bad)}; choose from {ops.dispatch.IMPLS}")
     try:
         override = {k: int(v) for k, v in (kv.split("=") for kv in a.shape.split(",") if kv)}
     except ValueError:

@@ -18,6 +18,7 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hla_jax import ops
 from hla_jax.ops import ahla_family as F
 from hla_jax.ops import reference
 
@@ -41,15 +42,15 @@ def test_forms_match_reference_x64(x64, rng, T, chunk, gate, normalize):
     q, k, v, g = _inputs(rng, T, gate, normalize)
     want = reference.ahla(q, k, v, None if g is None else jnp.broadcast_to(g, (B, T, H)),
                           normalize=normalize)
-    assert_forms_match(F.ahla, (q, k, v, g), want, 1e-10, jnp.float64, normalize=normalize,
+    assert_forms_match(ops.ahla, (q, k, v, g), want, 1e-10, jnp.float64, normalize=normalize,
                        chunk_size=chunk)
 
 
 @pytest.mark.parametrize("normalize", [False, True])
 def test_forms_match_reference_float32(rng, normalize):
     q, k, v, g = _inputs(rng, 100, "token", normalize, np.float32)
-    want = F.ahla(q, k, v, g, normalize=normalize, impl="reference")
-    assert_forms_match(F.ahla, (q, k, v, g), want, 1e-4, jnp.float32, normalize=normalize,
+    want = ops.ahla(q, k, v, g, normalize=normalize, impl="reference")
+    assert_forms_match(ops.ahla, (q, k, v, g), want, 1e-4, jnp.float32, normalize=normalize,
                        chunk_size=16)
 
 
@@ -64,7 +65,7 @@ def test_gradients_x64(x64, rng, impl, gate, normalize):
         return reference.ahla(q, k, v, jnp.broadcast_to(g, (B, T, H)), normalize=normalize)
 
     def fn(q, k, v, g):
-        return F.ahla(q, k, v, g, normalize=normalize, impl=impl, chunk_size=16)
+        return ops.ahla(q, k, v, g, normalize=normalize, impl=impl, chunk_size=16)
 
     assert_grads_match(fn, ref_fn, (q, k, v, g), w, 1e-10)
 
@@ -73,7 +74,7 @@ def test_gradients_x64(x64, rng, impl, gate, normalize):
 def test_causal(rng, impl):
     T, t = 40, 21
     q, k, v, g = _inputs(rng, T, "token", False, np.float32)
-    assert_causal(rng, lambda q, k, v, g: F.ahla(q, k, v, g, impl=impl, chunk_size=16),
+    assert_causal(rng, lambda q, k, v, g: ops.ahla(q, k, v, g, impl=impl, chunk_size=16),
                   q, k, v, g, t)
 
 
@@ -121,25 +122,25 @@ def test_token_summaries_scan_gives_state(x64, rng):
 
 def test_auto_is_chunked(rng):
     q, k, v, g = _inputs(rng, 20, "head", False, np.float32)
-    np.testing.assert_array_equal(np.asarray(F.ahla(q, k, v, g)),
-                                  np.asarray(F.ahla(q, k, v, g, impl="chunked")))
+    np.testing.assert_array_equal(np.asarray(ops.ahla(q, k, v, g)),
+                                  np.asarray(ops.ahla(q, k, v, g, impl="chunked")))
 
 
 def test_bad_input(rng):
     q, k, v, g = _inputs(rng, 8, "token", False, np.float32)
     with pytest.raises(ValueError, match="impl"):
-        F.ahla(q, k, v, impl="triton")
+        ops.ahla(q, k, v, impl="triton")
     with pytest.raises(ValueError, match="impl"):
-        F.ahla(q, k, v, impl="fast")
+        ops.ahla(q, k, v, impl="fast")
     with pytest.raises(ValueError, match="q"):
-        F.ahla(q[0], k, v)
+        ops.ahla(q[0], k, v)
     with pytest.raises(ValueError, match="k"):
-        F.ahla(q, k[..., :-1], v)
+        ops.ahla(q, k[..., :-1], v)
     with pytest.raises(ValueError, match="v"):
-        F.ahla(q, k, v[:, :-1])
+        ops.ahla(q, k, v[:, :-1])
     with pytest.raises(ValueError, match="g"):
-        F.ahla(q, k, v, -g)
+        ops.ahla(q, k, v, -g)
     with pytest.raises(ValueError, match="g"):
-        F.ahla(q, k, v, g[:, :, :1])
+        ops.ahla(q, k, v, g[:, :, :1])
     with pytest.raises(ValueError, match="chunk_size"):
-        F.ahla(q, k, v, chunk_size=0)
+        ops.ahla(q, k, v, chunk_size=0)

@@ -18,6 +18,7 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hla_jax import ops
 from hla_jax.ops import hla2_family as fam
 from hla_jax.ops import linear, reference
 from hla_jax.ops.common import clamp_signed, with_ones_column
@@ -36,7 +37,7 @@ def _inputs(rng, T, dtype, gate, positive=False):
 
 
 def _run(impl, normalize=False, chunk_size=16):
-    return functools.partial(fam.hla2, impl=impl, normalize=normalize, chunk_size=chunk_size)
+    return functools.partial(ops.hla2, impl=impl, normalize=normalize, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
@@ -68,7 +69,7 @@ def test_forms_float32(rng, impl, gate, normalize):
 
 def test_bfloat16_inputs_give_float32(rng):
     q, k, v, g = (x.astype(jnp.bfloat16) for x in _inputs(rng, 7, np.float32, "token"))
-    out = fam.hla2(q, k, v, g)
+    out = ops.hla2(q, k, v, g)
     assert out.dtype == jnp.float32
     assert_close(out, _run("reference")(q, k, v, g), 1e-4)
 
@@ -196,4 +197,4 @@ def test_bad_input_raises(kwargs, message):
     args = {"q": np.zeros((2, 7, 2, D)), "k": np.zeros((2, 7, 2, D)), "v": np.zeros((2, 7, 2, DV))}
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
-        fam.hla2(**args)
+        ops.hla2(**args)

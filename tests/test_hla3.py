@@ -19,6 +19,7 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hla_jax import ops
 from hla_jax.ops import hla3_family as F
 from hla_jax.ops import reference
 
@@ -47,7 +48,7 @@ CASES = [
 def test_forms_match_reference_x64(x64, rng, mask, T, chunk, gate, normalize):
     q, k, v, g = _inputs(rng, T, gate, normalize)
     want = reference.hla3(q, k, v, _full(g, T), mask=mask, normalize=normalize)
-    assert_forms_match(F.hla3, (q, k, v, g), want, 1e-10, jnp.float64, mask=mask, normalize=normalize,
+    assert_forms_match(ops.hla3, (q, k, v, g), want, 1e-10, jnp.float64, mask=mask, normalize=normalize,
                        chunk_size=chunk)
 
 
@@ -55,8 +56,8 @@ def test_forms_match_reference_x64(x64, rng, mask, T, chunk, gate, normalize):
                                                  ("paper", None, True)])
 def test_forms_match_reference_float32(rng, mask, gate, normalize):
     q, k, v, g = _inputs(rng, 100, gate, normalize, np.float32)
-    want = F.hla3(q, k, v, g, mask=mask, normalize=normalize, impl="reference")
-    assert_forms_match(F.hla3, (q, k, v, g), want, 1e-4, jnp.float32, mask=mask, normalize=normalize,
+    want = ops.hla3(q, k, v, g, mask=mask, normalize=normalize, impl="reference")
+    assert_forms_match(ops.hla3, (q, k, v, g), want, 1e-4, jnp.float32, mask=mask, normalize=normalize,
                        chunk_size=16)
 
 
@@ -76,7 +77,7 @@ def test_gradients_x64(x64, rng, mask, impl, gate, normalize):
         return reference.hla3(q, k, v, _full(g, T), mask=mask, normalize=normalize)
 
     def fn(q, k, v, g=None):
-        return F.hla3(q, k, v, g, mask=mask, normalize=normalize, impl=impl, chunk_size=16)
+        return ops.hla3(q, k, v, g, mask=mask, normalize=normalize, impl=impl, chunk_size=16)
 
     assert_grads_match(fn, ref_fn, args, w, 1e-10)
 
@@ -85,7 +86,7 @@ def test_gradients_x64(x64, rng, mask, impl, gate, normalize):
 def test_causal(rng, mask):
     T, t = 40, 21
     q, k, v, g = _inputs(rng, T, "token" if mask == "causal" else None, False, np.float32)
-    assert_causal(rng, lambda q, k, v, g: F.hla3(q, k, v, g, mask=mask, chunk_size=16),
+    assert_causal(rng, lambda q, k, v, g: ops.hla3(q, k, v, g, mask=mask, chunk_size=16),
                   q, k, v, g, t)
 
 
@@ -141,27 +142,27 @@ def test_combine_associative(seed, kind):
 
 def test_auto_is_chunked(rng):
     q, k, v, g = _inputs(rng, 20, "head", False, np.float32)
-    np.testing.assert_array_equal(np.asarray(F.hla3(q, k, v, g)),
-                                  np.asarray(F.hla3(q, k, v, g, impl="chunked")))
+    np.testing.assert_array_equal(np.asarray(ops.hla3(q, k, v, g)),
+                                  np.asarray(ops.hla3(q, k, v, g, impl="chunked")))
 
 
 def test_bad_input(rng):
     q, k, v, g = _inputs(rng, 8, "token", False, np.float32)
     with pytest.raises(ValueError, match="mask"):
-        F.hla3(q, k, v, mask="full")
+        ops.hla3(q, k, v, mask="full")
     with pytest.raises(ValueError, match="g must be None"):
-        F.hla3(q, k, v, g, mask="paper")
+        ops.hla3(q, k, v, g, mask="paper")
     with pytest.raises(ValueError, match="impl"):
-        F.hla3(q, k, v, impl="triton")
+        ops.hla3(q, k, v, impl="triton")
     with pytest.raises(ValueError, match="q"):
-        F.hla3(q[0], k, v)
+        ops.hla3(q[0], k, v)
     with pytest.raises(ValueError, match="k"):
-        F.hla3(q, k[..., :-1], v)
+        ops.hla3(q, k[..., :-1], v)
     with pytest.raises(ValueError, match="v"):
-        F.hla3(q, k, v[:, :-1])
+        ops.hla3(q, k, v[:, :-1])
     with pytest.raises(ValueError, match="g"):
-        F.hla3(q, k, v, -g)
+        ops.hla3(q, k, v, -g)
     with pytest.raises(ValueError, match="g"):
-        F.hla3(q, k, v, g[0])
+        ops.hla3(q, k, v, g[0])
     with pytest.raises(ValueError, match="chunk_size"):
-        F.hla3(q, k, v, chunk_size=-4)
+        ops.hla3(q, k, v, chunk_size=-4)

@@ -16,7 +16,7 @@ from hla_jax.core import fenwick
 from hla_jax.kernels import la_pallas, wrap
 from hla_jax.kernels.la import la_chunk, la_walks
 from hla_jax.kernels.la.la_entry import WALK_TUNING
-from hla_jax.ops import loglinear, reference
+from hla_jax.ops import reference
 
 TOL = 2e-3
 KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
@@ -229,21 +229,14 @@ def test_lowers_for_hardware(platform, c, parallel_forward):
 
 
 @pytest.mark.parametrize("entry", ["linear_attention", "mamba2"])
-def test_ops_dispatch(rng, entry, monkeypatch):
+def test_ops_dispatch(rng, entry):
     """``ops.linear_attention`` / ``ops.mamba2`` with ``impl="pallas"`` run ``la_pallas``
-    (g=None: no decay); ``impl="auto"`` takes it on a GPU for all-bf16 inputs only."""
+    (g=None: no decay)."""
     q, k, v = make_qkv(rng, 2, 40, 2, 16, 16)
     g = make_gate(rng, 2, 40, 2) if entry == "mamba2" else None
     fn = getattr(ops, entry)
     assert_close(fn(q, k, v, g, impl="pallas", chunk_size=16), fn(q, k, v, g, impl="reference"),
                  TOL)
-    seen = []
-    monkeypatch.setitem(loglinear.KERNELS, entry, lambda q, *a, **kw: seen.append(q.dtype) or v)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    fn(*bf, g, impl="auto")
-    fn(*bf[:2], v, g, impl="auto")  # float32 values: XLA's chunked form
-    assert seen == [jnp.bfloat16]
 
 
 @pytest.mark.parametrize("name,extra", [("loglinear_mamba2", ("lam",)),
@@ -263,40 +256,6 @@ def test_loglinear_ops_dispatch(rng, name, extra):
                  entry(q, k, v, g, *kw.values(), impl="reference"), TOL)
 
 
-@pytest.mark.parametrize("name,rows,dtype,want", [
-    ("loglinear_mamba2", "whole", jnp.bfloat16, "pallas"),
-    ("loglinear_mamba2", "packed", jnp.bfloat16, "pallas"),
-    ("loglinear_mamba2", "state", jnp.bfloat16, "from_state"),  # the faster path on a GPU
-    ("loglinear_mamba2", "both", jnp.bfloat16, "chunked"),
-    ("loglinear_mamba2", "whole", jnp.float32, "blocks"),
-    ("loglinear_gated_deltanet", "whole", jnp.bfloat16, "gdn_blocks"),  # faster fwd+bwd on a GPU
-    ("loglinear_gated_deltanet", "packed", jnp.bfloat16, "pallas"),
-    ("loglinear_gated_deltanet", "state", jnp.bfloat16, "chunked"),
-    ("loglinear_gated_deltanet", "whole", jnp.float32, "gdn_blocks"),
-])
-def test_loglinear_auto_dispatch(rng, monkeypatch, name, rows, dtype, want):
-    """On a GPU, ``impl="auto"`` takes log-linear Mamba-2's kernels for bf16 rows, packed, whole
-    or continuing a state (``loglinear_entry.from_state``), not packed and from a state at
-    once, and log-linear Gated DeltaNet's kernels for packed bf16 rows only (whole rows: its
-    block form); otherwise the block forms (``impl="chunked"``), or the counter form."""
-    B, T, H, d = 1, 40, 2, 16
-    q, k, v = (x.astype(dtype) for x in make_qkv(rng, B, T, H, d, d))
-    beta = (jnp.full((B, T, H), 0.5),) if "deltanet" in name else ()
-    lam = jnp.ones((B, T, H, fenwick.num_levels(T)))
-    seen = []
-    record = lambda tag: lambda *a, **kw: seen.append(tag) or (v, None)  # noqa: E731
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(loglinear, "_kernel_takes", lambda *a: True)
-    monkeypatch.setitem(loglinear.KERNELS, name, record("pallas"))
-    monkeypatch.setattr(loglinear, "from_state", record("from_state"))
-    for form in ("blocks", "gdn_blocks", "chunked"):
-        monkeypatch.setitem(loglinear._JITTED, form, record(form))
-    seg = jnp.asarray(np.repeat([0, 1], [15, 25])[None]) if rows in ("packed", "both") else None
-    getattr(ops, name)(q, k, v, make_gate(rng, B, T, H), *beta, lam, segment_ids=seg,
-                       return_final_state=rows in ("state", "both"))
-    assert seen == [want]
-
-
 def test_pallas_impl_is_refused_where_there_is_no_kernel(rng):
     q, k, v = make_qkv(rng, 1, 16, 1, 16, 16)
     with pytest.raises(ValueError, match="pallas"):
@@ -304,16 +263,3 @@ def test_pallas_impl_is_refused_where_there_is_no_kernel(rng):
     with pytest.raises(ValueError, match="pallas"):
         ops.gated_deltanet(q, k, v, make_gate(rng, 1, 16, 1), jnp.full((1, 16, 1), 0.5),
                            impl="pallas")
-
-
-def test_auto_prefers_the_kernel_only_for_bf16_on_a_gpu(monkeypatch):
-    """``impl="auto"``: Pallas on a GPU for all-bf16 inputs without sequence sharding, else XLA."""
-    from hla_jax.ops.common import pallas_preferred
-
-    bf16, f32 = jnp.zeros((1, 4, 1, 16), jnp.bfloat16), jnp.zeros((1, 4, 1, 16), jnp.float32)
-    assert not pallas_preferred(None, 64, bf16, bf16)  # this machine is a CPU
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert pallas_preferred(None, 64, bf16, bf16)
-    assert not pallas_preferred(None, 64, bf16, f32)
-    assert not pallas_preferred("sequence", 64, bf16, bf16)
-    assert not pallas_preferred(None, 8, bf16, bf16)  # the kernels' chunks are >= 16

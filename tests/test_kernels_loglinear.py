@@ -77,8 +77,6 @@ def test_packed_documents_equal_documents_alone(rng, backend):
     """``segment_ids`` (documents of 13, 1, 28, 19 tokens, starting mid-chunk, and a row of one
     document) through the aligned layout: outputs and every gradient equal the reference with
     the documents' own levels, through the kernel entry and through ``ops`` (impl="pallas")."""
-    from hla_jax.ops import loglinear
-
     B, T, H = 2, 61, 2
     q, k, v = make_qkv(rng, B, T, H, 16, 16)
     seg = jnp.asarray(np.stack([np.repeat([0, 1, 2, 3], [13, 1, 28, 19]), np.zeros(T, int)]))
@@ -92,7 +90,7 @@ def test_packed_documents_equal_documents_alone(rng, backend):
                           grads_of(want, args, range(5), w)):
         assert_close(a, b, TOL, "d" + name)
     if backend == "triton":
-        via_ops = loglinear.loglinear_mamba2(*args, segment_ids=seg, impl="pallas", chunk_size=16)
+        via_ops = ops.loglinear_mamba2(*args, segment_ids=seg, impl="pallas", chunk_size=16)
         assert_close(via_ops, want(*args), TOL, "ops, impl='pallas'")
 
 

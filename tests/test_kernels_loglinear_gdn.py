@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from helpers import assert_close, grads_of, keys_around_one_direction, lower_for, make_gate, make_qkv
 
+from hla_jax import ops
 from hla_jax.core import fenwick
 from hla_jax.kernels import loglinear_gated_deltanet_pallas
 from hla_jax.kernels.loglinear_gdn import loglinear_gdn_chunk as chunk
@@ -139,15 +140,16 @@ def test_auto_takes_the_ut_terms_where_the_kernel_runs(rng, monkeypatch):
     """``impl="auto"`` on whole rows: the block form with the UT kernel's terms where
     ``gated_deltanet``'s kernel would run (a Hopper GPU with bf16 inputs; faked here), XLA's
     terms with ``impl="chunked"``."""
-    from hla_jax.ops import common, loglinear, loglinear_gdn_blocks
+    from hla_jax.kernels.gdn import gdn_entry
+    from hla_jax.ops import dispatch, loglinear_gdn_blocks
 
     q, k, v, g, beta, lam = _inputs(rng, 1, 100, 2, 16, 64)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    monkeypatch.setattr(common, "pallas_preferred", lambda *a: True)
-    monkeypatch.setattr(loglinear, "_kernel_takes", lambda *a: True)
-    auto = loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam)
+    monkeypatch.setattr(dispatch, "pallas_preferred", lambda c: True)
+    monkeypatch.setattr(gdn_entry, "supports", lambda *a: True)
+    auto = ops.loglinear_gated_deltanet(q, k, v, g, beta, lam)
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(_blocks_on_ut(q, k, v, g, beta, lam)))
-    chunked = loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="chunked")
+    chunked = ops.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="chunked")
     xla = loglinear_gdn_blocks.blocks(q, k, v, g, beta, lam, 64, "xla")
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(xla), atol=1e-5)
 
@@ -332,8 +334,6 @@ def test_packed_documents_equal_documents_alone(rng, backend):
     """``segment_ids`` (documents of 13, 1, 28, 19 tokens, starting mid-chunk, and a row of one
     document) through the aligned layout: output and all six gradients equal the reference with
     the documents' own levels, through the kernel entry and through ``ops`` (impl="pallas")."""
-    from hla_jax.ops import loglinear
-
     B, T, H = 2, 61, 2
     args = _inputs(rng, B, T, H, 16, 16)
     seg = jnp.asarray(np.stack([np.repeat([0, 1, 2, 3], [13, 1, 28, 19]), np.zeros(T, int)]))
@@ -346,8 +346,8 @@ def test_packed_documents_equal_documents_alone(rng, backend):
                           grads_of(want, args, range(6), w)):
         assert_close(a, b, TOL, "d" + name)
     if backend == "triton":
-        via_ops = loglinear.loglinear_gated_deltanet(*args, segment_ids=seg, impl="pallas",
-                                                     chunk_size=16)
+        via_ops = ops.loglinear_gated_deltanet(*args, segment_ids=seg, impl="pallas",
+                                               chunk_size=16)
         assert_close(via_ops, want(*args), TOL, "ops, impl='pallas'")
 
 

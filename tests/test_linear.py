@@ -8,6 +8,7 @@ from helpers import assert_close, grads_of, make_gate, make_qkv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hla_jax import ops
 from hla_jax.ops import linear
 from hla_jax.ops import reference as ref
 
@@ -26,7 +27,7 @@ def _inputs(rng, T, gate="token", dtype=np.float64, B=2, H=2, d=5, dv=3):
     ("chunked", 64, 100, "token"), ("chunked", 64, 257, "head")])
 def test_linear_attention_float64(x64, rng, impl, chunk, T, gate):
     q, k, v, g = _inputs(rng, T, gate)
-    out = linear.linear_attention(q, k, v, g, impl=impl, chunk_size=chunk)
+    out = ops.linear_attention(q, k, v, g, impl=impl, chunk_size=chunk)
     assert out.dtype == jnp.float64
     g_full = None if g is None else jnp.broadcast_to(g, q.shape[:3])  # the reference takes [B,T,H]
     assert_close(out, ref.linear_attention(q, k, v, g_full), 1e-10, f"{impl}/{chunk}")
@@ -35,7 +36,7 @@ def test_linear_attention_float64(x64, rng, impl, chunk, T, gate):
 @pytest.mark.parametrize("impl,chunk", FORMS)
 def test_mamba2_float32(x64, rng, impl, chunk):
     q, k, v, g = _inputs(rng, 100, dtype=np.float32)
-    out = linear.mamba2(q, k, v, g, impl=impl, chunk_size=chunk)
+    out = ops.mamba2(q, k, v, g, impl=impl, chunk_size=chunk)
     assert out.dtype == jnp.float32
     want = ref.linear_attention(*(x.astype(jnp.float64) for x in (q, k, v, g)))
     assert_close(out, want, 1e-4, f"{impl}/{chunk}")
@@ -43,14 +44,14 @@ def test_mamba2_float32(x64, rng, impl, chunk):
 
 def test_chunk_size_need_not_be_a_power_of_two(x64, rng):
     q, k, v, g = _inputs(rng, 50)
-    assert_close(linear.mamba2(q, k, v, g, chunk_size=24), ref.linear_attention(q, k, v, g), 1e-10)
+    assert_close(ops.mamba2(q, k, v, g, chunk_size=24), ref.linear_attention(q, k, v, g), 1e-10)
 
 
 @pytest.mark.parametrize("impl,chunk", [("scan", 64), ("chunked", 16)])
 def test_gradients(x64, rng, impl, chunk):
     q, k, v, g = _inputs(rng, 45)
     w = jnp.asarray(rng.normal(size=v.shape))
-    got = grads_of(lambda *a: linear.mamba2(*a, impl=impl, chunk_size=chunk), (q, k, v, g),
+    got = grads_of(lambda *a: ops.mamba2(*a, impl=impl, chunk_size=chunk), (q, k, v, g),
                    (0, 1, 2, 3), w)
     want = grads_of(jax.jit(ref.linear_attention), (q, k, v, g), (0, 1, 2, 3), w)
     for name, a, b in zip("qkvg", got, want):
@@ -59,7 +60,7 @@ def test_gradients(x64, rng, impl, chunk):
 
 def test_step_token_by_token(x64, rng):
     q, k, v, g = _inputs(rng, 21)
-    full = linear.mamba2(q, k, v, g, impl="chunked", chunk_size=16)
+    full = ops.mamba2(q, k, v, g, impl="chunked", chunk_size=16)
     state = linear.init_state(2, 2, 5, 3, jnp.float64)
     step = jax.jit(linear.step)
     for t in range(q.shape[1]):
@@ -103,11 +104,11 @@ def test_combine_is_associative(seed, gated):
 def test_causal(rng, impl, chunk):
     q, k, v, g = _inputs(rng, 40, dtype=np.float32)
     t0 = 17
-    out = linear.mamba2(q, k, v, g, impl=impl, chunk_size=chunk)
+    out = ops.mamba2(q, k, v, g, impl=impl, chunk_size=chunk)
     def bump(x):
         return x.at[:, t0 + 1:].add(1.0)
 
-    out2 = linear.mamba2(bump(q), bump(k), bump(v), g.at[:, t0 + 1:].set(-0.1), impl=impl,
+    out2 = ops.mamba2(bump(q), bump(k), bump(v), g.at[:, t0 + 1:].set(-0.1), impl=impl,
                          chunk_size=chunk)
     np.testing.assert_array_equal(np.asarray(out[:, :t0 + 1]), np.asarray(out2[:, :t0 + 1]))
 
@@ -117,7 +118,7 @@ def test_infinite_log_decay_resets(x64, rng, impl, chunk):
     """A log-decay of −∞ (a document boundary) stays finite and cuts the past off."""
     q, k, v, g = _inputs(rng, 40)
     g = g.at[:, 20].set(-jnp.inf)
-    out = linear.mamba2(q, k, v, g, impl=impl, chunk_size=chunk)
+    out = ops.mamba2(q, k, v, g, impl=impl, chunk_size=chunk)
     assert_close(out, ref.linear_attention(q, k, v, g), 1e-10)
     after = ref.linear_attention(q[:, 20:], k[:, 20:], v[:, 20:], g[:, 20:].at[:, 0].set(0.0))
     assert_close(out[:, 20:], after, 1e-10, "after the reset")
@@ -126,21 +127,21 @@ def test_infinite_log_decay_resets(x64, rng, impl, chunk):
 def test_errors(rng):
     q, k, v, g = _inputs(rng, 8, dtype=np.float32)
     with pytest.raises(ValueError, match="impl"):
-        linear.mamba2(q, k, v, g, impl="fast")
+        ops.mamba2(q, k, v, g, impl="fast")
     with pytest.raises(ValueError, match="g"):
-        linear.mamba2(q, k, v, None)
+        ops.mamba2(q, k, v, None)
     with pytest.raises(ValueError, match="log-decay"):
-        linear.mamba2(q, k, v, -g)
+        ops.mamba2(q, k, v, -g)
     with pytest.raises(ValueError, match="k must"):
-        linear.linear_attention(q, k[..., :4], v)
+        ops.linear_attention(q, k[..., :4], v)
     with pytest.raises(ValueError, match="v must"):
-        linear.linear_attention(q, k, v[:, :5])
+        ops.linear_attention(q, k, v[:, :5])
     with pytest.raises(ValueError, match="rank 4"):
-        linear.linear_attention(q[0], k, v)
+        ops.linear_attention(q[0], k, v)
     with pytest.raises(ValueError, match="g must have shape"):
-        linear.mamba2(q, k, v, g[:, :5])
+        ops.mamba2(q, k, v, g[:, :5])
     with pytest.raises(ValueError, match="chunk_size"):
-        linear.mamba2(q, k, v, g, chunk_size=0)
+        ops.mamba2(q, k, v, g, chunk_size=0)
 
 
 def test_linear_attention_documents_and_state(x64, rng):
@@ -149,20 +150,20 @@ def test_linear_attention_documents_and_state(x64, rng):
     off the chunk grid) continues the one-pass outputs and final state."""
     q, k, v, _ = _inputs(rng, 40)
     seg = jnp.asarray([np.repeat([0, 1, 2], [11, 20, 9]), np.repeat([5, 6, 7], [9, 11, 20])])
-    out, state = linear.linear_attention(q, k, v, segment_ids=seg, impl="chunked", chunk_size=8,
+    out, state = ops.linear_attention(q, k, v, segment_ids=seg, impl="chunked", chunk_size=8,
                                          return_final_state=True)
     oracle = jax.jit(ref.linear_attention)
     for b, cuts in enumerate([(0, 11, 31, 40), (0, 9, 20, 40)]):
         for s, e in zip(cuts[:-1], cuts[1:]):
             alone = oracle(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e])
             assert_close(out[b:b + 1, s:e], alone, 1e-10, f"row {b} [{s}, {e})")
-    o1, s1 = linear.linear_attention(q[:, :19], k[:, :19], v[:, :19], segment_ids=seg[:, :19],
+    o1, s1 = ops.linear_attention(q[:, :19], k[:, :19], v[:, :19], segment_ids=seg[:, :19],
                                      impl="chunked", chunk_size=8, return_final_state=True)
-    o2, s2 = linear.linear_attention(q[:, 19:], k[:, 19:], v[:, 19:], segment_ids=seg[:, 19:],
+    o2, s2 = ops.linear_attention(q[:, 19:], k[:, 19:], v[:, 19:], segment_ids=seg[:, 19:],
                                      impl="chunked", chunk_size=8, initial_state=s1,
                                      return_final_state=True)
     assert_close(jnp.concatenate([o1, o2], 1), out, 1e-10, "two pieces")
     assert_close(s2, state, 1e-10, "final state")
-    _, s_rec = linear.linear_attention(q, k, v, segment_ids=seg, impl="recurrent",
+    _, s_rec = ops.linear_attention(q, k, v, segment_ids=seg, impl="recurrent",
                                        return_final_state=True)
     assert_close(state, s_rec, 1e-10, "recurrent final state")

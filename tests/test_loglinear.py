@@ -11,14 +11,15 @@ from helpers import assert_close, grads_of, make_gate, make_qkv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hla_jax import ops
 from hla_jax.core import fenwick
-from hla_jax.ops import linear, loglinear
+from hla_jax.ops import loglinear
 from hla_jax.ops import reference as ref
 
 OPS = {  # name -> (operator, reference, uses beta, uses lam)
-    "loglinear_mamba2": (loglinear.loglinear_mamba2, ref.loglinear_mamba2, False, True),
-    "gated_deltanet": (loglinear.gated_deltanet, ref.gated_deltanet, True, False),
-    "loglinear_gated_deltanet": (loglinear.loglinear_gated_deltanet, ref.loglinear_gated_deltanet,
+    "loglinear_mamba2": (ops.loglinear_mamba2, ref.loglinear_mamba2, False, True),
+    "gated_deltanet": (ops.gated_deltanet, ref.gated_deltanet, True, False),
+    "loglinear_gated_deltanet": (ops.loglinear_gated_deltanet, ref.loglinear_gated_deltanet,
                                  True, True),
 }
 
@@ -91,10 +92,10 @@ def test_all_ones_lambda_is_the_plain_operator(x64, rng, impl, chunk):
     q, k, v, g, beta, lam = _inputs(rng, 64)
     ones = jnp.ones_like(lam)
     kw = {"impl": impl, "chunk_size": chunk}
-    assert_close(loglinear.loglinear_mamba2(q, k, v, g, ones, **kw),
-                 linear.mamba2(q, k, v, g, **kw), 1e-10, "mamba2")
-    assert_close(loglinear.loglinear_gated_deltanet(q, k, v, g, beta, ones, **kw),
-                 loglinear.gated_deltanet(q, k, v, g, beta, **kw), 1e-10, "gated deltanet")
+    assert_close(ops.loglinear_mamba2(q, k, v, g, ones, **kw),
+                 ops.mamba2(q, k, v, g, **kw), 1e-10, "mamba2")
+    assert_close(ops.loglinear_gated_deltanet(q, k, v, g, beta, ones, **kw),
+                 ops.gated_deltanet(q, k, v, g, beta, **kw), 1e-10, "gated deltanet")
 
 
 @pytest.mark.parametrize("name", [LL_M2, LL_GDN])
@@ -118,7 +119,7 @@ def test_spare_levels_change_nothing(x64, rng):
     args = _args("loglinear_mamba2", _inputs(rng, 100, levels=15))
     want = _reference("loglinear_mamba2", *args)
     for impl, chunk in [("recurrent", 64), ("scan", 64), ("chunked", 32)]:
-        out = loglinear.loglinear_mamba2(*args, impl=impl, chunk_size=chunk)
+        out = ops.loglinear_mamba2(*args, impl=impl, chunk_size=chunk)
         assert_close(out, want, 1e-10, impl)
 
 
@@ -164,49 +165,50 @@ def test_infinite_log_decay_stays_finite(x64, rng, name, impl, chunk):
 def test_errors(rng):
     q, k, v, g, beta, lam = _inputs(rng, 40, dtype=np.float32)
     with pytest.raises(ValueError, match="T=40 needs at least 7"):
-        loglinear.loglinear_mamba2(q, k, v, g, lam[..., :6])
+        ops.loglinear_mamba2(q, k, v, g, lam[..., :6])
     with pytest.raises(ValueError, match="T=40 needs at least 7"):
-        loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam[..., :3])
+        ops.loglinear_gated_deltanet(q, k, v, g, beta, lam[..., :3])
     with pytest.raises(ValueError, match="lam must have shape"):
-        loglinear.loglinear_mamba2(q, k, v, g, lam[:, :39])
+        ops.loglinear_mamba2(q, k, v, g, lam[:, :39])
     with pytest.raises(ValueError, match="lam must have shape"):
-        loglinear.loglinear_mamba2(q, k, v, g, lam[..., 0])
+        ops.loglinear_mamba2(q, k, v, g, lam[..., 0])
     with pytest.raises(ValueError, match="beta must have shape"):
-        loglinear.gated_deltanet(q, k, v, g, beta[:, :, :1])
+        ops.gated_deltanet(q, k, v, g, beta[:, :, :1])
     with pytest.raises(ValueError, match="log-decay"):
-        loglinear.loglinear_mamba2(q, k, v, -g, lam)
+        ops.loglinear_mamba2(q, k, v, -g, lam)
     with pytest.raises(ValueError, match="log-decay"):
-        loglinear.gated_deltanet(q, k, v, -g, beta)
+        ops.gated_deltanet(q, k, v, -g, beta)
     with pytest.raises(ValueError, match="g .*required"):
-        loglinear.gated_deltanet(q, k, v, None, beta)
+        ops.gated_deltanet(q, k, v, None, beta)
     for c in (24, 48, 0):
         with pytest.raises(ValueError, match="chunk_size"):
-            loglinear.loglinear_mamba2(q, k, v, g, lam, chunk_size=c)
+            ops.loglinear_mamba2(q, k, v, g, lam, chunk_size=c)
     with pytest.raises(ValueError, match="power of two"):
-        loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="scan", chunk_size=24)
-    for fn, args in [(loglinear.loglinear_mamba2, (q, k, v, g, lam)),
-                     (loglinear.gated_deltanet, (q, k, v, g, beta))]:
+        ops.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="scan", chunk_size=24)
+    for fn, args in [(ops.loglinear_mamba2, (q, k, v, g, lam)),
+                     (ops.gated_deltanet, (q, k, v, g, beta))]:
         with pytest.raises(ValueError, match="impl"):
             fn(*args, impl="fast")
     with pytest.raises(ValueError, match="k must"):
-        loglinear.gated_deltanet(q, k[..., :4], v, g, beta)
+        ops.gated_deltanet(q, k[..., :4], v, g, beta)
     with pytest.raises(ValueError, match="rank 4"):
-        loglinear.loglinear_mamba2(q, k, v[0], g, lam)
+        ops.loglinear_mamba2(q, k, v[0], g, lam)
 
 
 def test_plain_gated_deltanet_accepts_any_chunk_size(x64, rng):
     args = _args("gated_deltanet", _inputs(rng, 50))
-    out = loglinear.gated_deltanet(*args, chunk_size=24)
+    out = ops.gated_deltanet(*args, chunk_size=24)
     assert_close(out, _reference("gated_deltanet", *args), 1e-10)
 
 
 def test_block_form_bf16_runs_16_bit_products_both_ways(rng):
     """``impl="chunked"`` (the block form, ``ops.loglinear_blocks``) on bf16 inputs: outputs and
-    every gradient within the bf16 tolerance of the float32 oracle, every product on 16-bit
-    operands (forward and backward), and no loop over chunks at all."""
+    every gradient within the bf16 tolerance of the float32 oracle, every product of the inputs on
+    16-bit operands (forward and backward; the decays' chunk sums, ``la_chunked.decays``, are
+    float32), and no loop over chunks at all."""
     q, k, v, g, _, lam = _inputs(rng, 300, np.float32, d=16, dv=16)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    fn = functools.partial(loglinear.loglinear_mamba2, impl="chunked", chunk_size=16)
+    fn = functools.partial(ops.loglinear_mamba2, impl="chunked", chunk_size=16)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     assert_close(fn(q, k, v, g, lam), ref.loglinear_mamba2(*f32, g, lam), 2e-2)
     w = jnp.asarray(rng.normal(size=v.shape), jnp.float32)
@@ -216,8 +218,10 @@ def test_block_form_bf16_runs_16_bit_products_both_ways(rng):
         assert_close(a.astype(jnp.float32), b, 2e-2, "d" + name)
     hlo = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=range(5))).lower(
         q, k, v, g, lam).as_text()
-    operands = re.findall(r"stablehlo.dot_general.*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", hlo)
-    assert operands and set(operands) == {("bf16", "bf16")}
+    operands = re.findall(r"stablehlo.dot_general.*: \(tensor<([^>]*)>, tensor<([^>]*)>\)", hlo)
+    decays = [x for x in operands if "16x16xf32" in x]  # the decays' chunk sums, float32
+    assert operands and {(a[-4:], b[-4:]) for a, b in operands if (a, b) not in decays} == {
+        ("bf16", "bf16")}
     assert "stablehlo.while" not in hlo
 
 
@@ -228,7 +232,7 @@ def test_gated_deltanet_block_form_bf16_has_no_loop(rng):
     in float32), and no loop over chunks or levels in the program."""
     q, k, v, g, beta, lam = _inputs(rng, 300, np.float32, d=16, dv=16)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    fn = functools.partial(loglinear.loglinear_gated_deltanet, impl="chunked", chunk_size=16)
+    fn = functools.partial(ops.loglinear_gated_deltanet, impl="chunked", chunk_size=16)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     assert_close(fn(q, k, v, g, beta, lam), ref.loglinear_gated_deltanet(*f32, g, beta, lam), 2e-2)
     w = jnp.asarray(rng.normal(size=v.shape), jnp.float32)

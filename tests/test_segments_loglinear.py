@@ -18,17 +18,18 @@ import numpy as np
 import pytest
 from helpers import assert_close, devices_env, grads_of, make_gate, make_qkv, rel_err
 
+from hla_jax import ops
 from hla_jax.core import fenwick
 from hla_jax.core.state import LevelState
-from hla_jax.ops import linear, loglinear
+from hla_jax.ops import loglinear
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LL_M2, LL_GDN, GDN, M2 = "loglinear_mamba2", "loglinear_gated_deltanet", "gated_deltanet", "mamba2"
 OPS = {  # name -> (entry, uses beta, uses lam)
-    LL_M2: (loglinear.loglinear_mamba2, False, True),
-    LL_GDN: (loglinear.loglinear_gated_deltanet, True, True),
-    GDN: (loglinear.gated_deltanet, True, False),
-    M2: (linear.mamba2, False, False),
+    LL_M2: (ops.loglinear_mamba2, False, True),
+    LL_GDN: (ops.loglinear_gated_deltanet, True, True),
+    GDN: (ops.gated_deltanet, True, False),
+    M2: (ops.mamba2, False, False),
 }
 # row 0: documents of 13, 1, 28, 19 tokens (the 28 starts mid-chunk and spans > 2 chunks of 8);
 # row 1: one document of 61
@@ -106,10 +107,10 @@ def test_all_ones_lambda_with_segments_is_the_plain_operator(x64, rng, impl):
     q, k, v, g, beta, lam = _inputs(rng)
     kw = {"impl": impl, "chunk_size": 8, "segment_ids": _segment_ids()}
     ones = jnp.ones_like(lam)
-    assert_close(loglinear.loglinear_mamba2(q, k, v, g, ones, **kw),
-                 linear.mamba2(q, k, v, g, **kw), 1e-10, "mamba2")
-    assert_close(loglinear.loglinear_gated_deltanet(q, k, v, g, beta, ones, **kw),
-                 loglinear.gated_deltanet(q, k, v, g, beta, **kw), 1e-10, "gated deltanet")
+    assert_close(ops.loglinear_mamba2(q, k, v, g, ones, **kw),
+                 ops.mamba2(q, k, v, g, **kw), 1e-10, "mamba2")
+    assert_close(ops.loglinear_gated_deltanet(q, k, v, g, beta, ones, **kw),
+                 ops.gated_deltanet(q, k, v, g, beta, **kw), 1e-10, "gated deltanet")
 
 
 def _assert_states_close(a, b, tol, what):
@@ -231,21 +232,21 @@ def test_errors(rng):
     for arg, kw in [("return_final_state", {"return_final_state": True}),
                     ("initial_state", {"initial_state": loglinear.init_state(2, 2, 5, 3, 5)})]:
         with pytest.raises(ValueError, match=f"segment_ids or {arg}, not both.*chunked"):
-            loglinear.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="pallas",
-                                               segment_ids=seg, **kw)
+            ops.loglinear_gated_deltanet(q, k, v, g, beta, lam, impl="pallas",
+                                         segment_ids=seg, **kw)
         with pytest.raises(ValueError, match=f"segment_ids or {arg}, not both.*chunked"):
-            loglinear.loglinear_mamba2(q, k, v, g, lam, impl="pallas", segment_ids=seg, **kw)
+            ops.loglinear_mamba2(q, k, v, g, lam, impl="pallas", segment_ids=seg, **kw)
     with pytest.raises(ValueError, match="segment_ids must be an integer array"):
-        loglinear.gated_deltanet(q, k, v, g, beta, segment_ids=seg[:, :8])
+        ops.gated_deltanet(q, k, v, g, beta, segment_ids=seg[:, :8])
     with pytest.raises(ValueError, match="LevelState"):
-        loglinear.loglinear_mamba2(q, k, v, g, lam, initial_state=jnp.zeros((2, 2, 5, 3)))
+        ops.loglinear_mamba2(q, k, v, g, lam, initial_state=jnp.zeros((2, 2, 5, 3)))
     with pytest.raises(ValueError, match="LevelState"):  # 5 levels, lam has 5: H of 4 is wrong
-        loglinear.loglinear_gated_deltanet(
+        ops.loglinear_gated_deltanet(
             q, k, v, g, beta, lam, initial_state=loglinear.init_state(2, 2, 5, 3, 4))
     with pytest.raises(ValueError, match=r"initial_state must have shape \(2, 2, 5, 3\)"):
-        loglinear.gated_deltanet(q, k, v, g, beta, initial_state=jnp.zeros((2, 2, 3, 3)))
+        ops.gated_deltanet(q, k, v, g, beta, initial_state=jnp.zeros((2, 2, 3, 3)))
     with pytest.raises(ValueError, match="initial_state / return_final_state need impl"):
-        loglinear.loglinear_mamba2(q, k, v, g, lam, impl="scan", return_final_state=True)
+        ops.loglinear_mamba2(q, k, v, g, lam, impl="scan", return_final_state=True)
 
 
 def test_sequence_parallel_segments():

@@ -45,6 +45,9 @@ def check_qkv(q, k, v, *, name: str = "operator"):
         raise ValueError(
             f"{name}: v must have shape [B,T,H,dv] with [B,T,H]={q.shape[:3]}, got {v.shape}"
         )
+    if 0 in q.shape or v.shape[-1] == 0:
+        raise ValueError(f"{name}: q, k, v must have at least one batch row, token, head and "
+                         f"feature, got q {q.shape}, v {v.shape}")
     B, T, H, d = q.shape
     return B, T, H, d, v.shape[-1]
 

@@ -1,4 +1,6 @@
-"""Pure-function operators: one module per family, one public entry each with ``impl=`` dispatch.
+"""Pure-function operators: one module per family (its algebra and forms), the public entries in
+``operators`` and one dispatcher (``dispatch``: input checks, the ``impl="auto"`` rule, the
+table of forms).
 
     o = ops.hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64)
     o = ops.ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64)
@@ -25,11 +27,16 @@ from hla_jax.ops import hla3 as hla3_family
 from hla_jax.ops import linear as linear_family
 from hla_jax.ops import loglinear as loglinear_family
 from hla_jax.ops import reference
-from hla_jax.ops.ahla import ahla
-from hla_jax.ops.hla2 import hla2
-from hla_jax.ops.hla3 import hla3
-from hla_jax.ops.linear import linear_attention, mamba2
-from hla_jax.ops.loglinear import gated_deltanet, loglinear_gated_deltanet, loglinear_mamba2
+from hla_jax.ops.operators import (
+    ahla,
+    gated_deltanet,
+    hla2,
+    hla3,
+    linear_attention,
+    loglinear_gated_deltanet,
+    loglinear_mamba2,
+    mamba2,
+)
 
 __all__ = [
     "ahla", "hla2", "hla3", "linear_attention", "mamba2", "gated_deltanet",

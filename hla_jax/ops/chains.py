@@ -29,7 +29,7 @@ prefilled in one parallel pass and a sequence can be processed in pieces.
 A chain takes ``la(q, k, v, g, h0) -> (o, hT)`` (``q, k: [B,T,H,d]``, ``v: [B,T,H,n]``, ``g:
 [B,T,H]`` or ``None``, ``h0, hT: [B,H,d,n]``, ``h0 = None`` zeros, ``hT = None`` when the LA does
 not return states; ``o: [B,T,H,n]``), so the same three functions run over any LA
-implementation: ``over_xla`` (``linear.chunked``, the families' ``chunked`` form,
+implementation: ``over_xla`` (``la_chunked.chunked``, the families' ``chunked`` form,
 sequence-parallel through LA's own ``seq_axis``) and ``over_pallas`` (``kernels.la_pallas``).
 The intermediate (``K̃``, ``Ṽ``) is cast to the inputs' dtype, so 16-bit inputs give the second
 call 16-bit inputs.
@@ -44,8 +44,8 @@ import jax.numpy as jnp
 
 from hla_jax.core.documents import gate_or_zeros
 from hla_jax.core.state import state_dtype
-from hla_jax.kernels import la_pallas
-from hla_jax.ops import linear
+from hla_jax.kernels import la_kernel
+from hla_jax.ops import la_chunked
 from hla_jax.ops.common import with_ones_column
 from hla_jax.ops.hla_forms import finish
 
@@ -93,7 +93,7 @@ def hla3(la, q, k, v, g=None, *, normalize=False, eps=1e-6, state=None):
 
 
 def over_xla(chain, state_type):
-    """``chain`` over XLA's chunked LA (``linear.chunked``): the ``chunked`` form of its family,
+    """``chain`` over XLA's chunked LA (``la_chunked.chunked``): the ``chunked`` form of its family,
     ``f(q, k, v, g=None, *, normalize, eps, chunk_size, seq_axis, initial_state) -> (o, state)``
     (``state`` a ``state_type``), on inputs cast to the state dtype; ``seq_axis`` goes to every
     LA call (``ops.sequence``)."""
@@ -104,8 +104,8 @@ def over_xla(chain, state_type):
         dt = state_dtype(q, k, v, g)
 
         def la(q, k, v, g, h0):
-            return linear.chunked(q, k, v, gate_or_zeros(g, *q.shape[:3], dt), chunk_size,
-                                  seq_axis, h0)
+            return la_chunked.chunked(q, k, v, gate_or_zeros(g, *q.shape[:3], dt), chunk_size,
+                                      seq_axis, h0)
 
         q, k, v = (x.astype(dt) for x in (q, k, v))
         o, state = chain(la, q, k, v, None if g is None else g.astype(dt), normalize=normalize,
@@ -126,7 +126,7 @@ def over_pallas(chain, state_type):
     def pallas(q, k, v, g=None, *, normalize=False, eps=1e-6, chunk_size=64, initial_state=None,
                return_final_state=False):
         def la(q, k, v, g, h0):
-            out = la_pallas(q, k, v, g, initial_state=h0, return_final_state=return_final_state,
+            out = la_kernel(q, k, v, g, initial_state=h0, return_final_state=return_final_state,
                             chunk_size=chunk_size)
             return out if return_final_state else (out, None)
 

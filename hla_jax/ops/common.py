@@ -8,26 +8,10 @@ Shapes (docs/math.md#notation): ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from hla_jax.core.state import state_dtype
-
-IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
-STATE_IMPLS = ("recurrent", "chunked", "pallas", "auto")
-
-
-def wants_state(initial_state, return_final_state, impl, seq_axis, *, name: str) -> bool:
-    """Whether a call passes state arguments (``initial_state`` / ``return_final_state``); they
-    are taken by the ``STATE_IMPLS`` only, and not under ``seq_axis``: ValueError otherwise."""
-    if initial_state is None and not return_final_state:
-        return False
-    if impl not in STATE_IMPLS or seq_axis is not None:
-        raise ValueError(f"{name}: initial_state / return_final_state need impl in {STATE_IMPLS} "
-                         f"and seq_axis=None, got impl={impl!r}, seq_axis={seq_axis!r}")
-    return True
 
 
 def clamp_signed(x, eps: float):
@@ -108,18 +92,6 @@ def ratio_last_column(o, eps: float):
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def pallas_preferred(seq_axis, chunk_size: int, *xs) -> bool:
-    """Whether ``impl="auto"`` takes an operator's Pallas form (its kernel; for hla2, ahla and
-    causal hla3 the chain of ``la_pallas`` passes, ``chains.over_pallas``): on a GPU, all inputs
-    bf16, time not sharded, a chunk the kernels take (a power of two >= 16); the configuration
-    the GPU check covers and in which the kernels beat the XLA chunked form (see the kernel
-    benchmarks on the results page).  Float32 at d=128 needs smaller Triton tiles
-    (``kernels.wrap.F32_GPU_TILE``), and the TPU kernels have never run on a TPU: XLA chunked
-    there."""
-    return (seq_axis is None and jax.default_backend() == "gpu" and chunk_size >= 16
-            and chunk_size & (chunk_size - 1) == 0 and all(x.dtype == jnp.bfloat16 for x in xs))
-
-
 def matmul_precision(*xs):
     """The matmul precision an operator call runs under, chosen from its inputs' dtypes.
 
@@ -130,17 +102,6 @@ def matmul_precision(*xs):
     """
     low = any(jnp.dtype(x.dtype).itemsize < 4 for x in xs if x is not None)
     return jax.default_matmul_precision("tensorfloat32" if low else "highest")
-
-
-def precision_from_inputs(entry):
-    """Decorate an operator entry ``entry(q, k, v, ...)`` to run under ``matmul_precision(q, k, v)``."""
-
-    @functools.wraps(entry)
-    def wrapped(q, k, v, *args, **kwargs):
-        with matmul_precision(q, k, v):
-            return entry(q, k, v, *args, **kwargs)
-
-    return wrapped
 
 
 def ein(spec: str, *xs):

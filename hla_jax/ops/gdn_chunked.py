@@ -68,12 +68,17 @@ def _inverse_bwd(X, dX):
 unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
 
 
-def ut_transform(K, V, Beta, Gam, gamma):
-    """``(W [..., c, d], U [..., c, dv])``: ``[W | U] = (I + strict_tril(diag(β)(KKᵀ) ∘ Γ))⁻¹
-    diag(β) [γ ∘ K | V]`` for one chunk (``K: [..., c, d]``, ``V: [..., c, dv]``, ``Beta,
-    gamma: [..., c]``, ``Gam: [..., c, c]``)."""
+def ut_matrix(K, Beta, Gam):
+    """``𝒯 = (I + strict_tril(diag(β)(KKᵀ) ∘ Γ))⁻¹ diag(β)`` ``[..., c, c]`` of one chunk
+    (``K: [..., c, d]``, ``Beta: [..., c]``, ``Gam: [..., c, c]``)."""
     A = jnp.tril(Beta[..., :, None] * common.ein("...td,...sd->...ts", K, K) * Gam, -1)
-    Tm = unit_lower_inverse(A) * Beta[..., None, :]
+    return unit_lower_inverse(A) * Beta[..., None, :]
+
+
+def ut_transform(K, V, Beta, Gam, gamma):
+    """``(W [..., c, d], U [..., c, dv]) = 𝒯 [γ ∘ K | V]`` for one chunk (``ut_matrix``;
+    ``V: [..., c, dv]``, ``gamma: [..., c]``)."""
+    Tm = ut_matrix(K, Beta, Gam)
     return (common.ein("...ts,...sd->...td", Tm, gamma[..., None] * K),
             common.ein("...ts,...sv->...tv", Tm, V))
 

@@ -14,7 +14,7 @@ the ``chunked`` form, which is the chain (docs/math.md#chains) of two first-orde
 states: ``S = Σ D k kᵀ`` is the inner LA's (values ``k``), and ``U = S C − G = Σ_j D(t,j)² K̃_j v_jᵀ``
 the outer one's (decay ``a²``, keys ``K̃_t = S_t q_t``), ``U_t = a_t² U_{t-1} + S_t q_t v_tᵀ``.
 Packed documents (``segment_ids``, docs/math.md#packed-documents): the state resets at every document start,
-``g = −∞`` there (``hla_forms.dispatch``), in every form.  The recurrent, chunked and Pallas
+``g = −∞`` there (``ops.dispatch``), in every form.  The recurrent, chunked and Pallas
 forms start from an ``initial_state`` (a ``State``) and can return the final one (from the
 chain's two LA passes in the chunked and Pallas forms).
 Shapes: ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g: [B,T,H]`` (log-decay ``<= 0``) or ``[H]`` or
@@ -29,10 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.ops import chains, hla_forms, reference
-from hla_jax.ops.common import cast_inputs, ein, mm, outer, precision_from_inputs
+from hla_jax.ops.common import cast_inputs, ein, mm, outer
 from hla_jax.ops.hla_forms import finish
-
-IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
 
 
 class State(NamedTuple):
@@ -104,25 +102,3 @@ def combine(a: Summary, b: Summary) -> Summary:
 FAMILY = hla_forms.Family("hla2", init_state, step, token_summaries, combine, readout,
                           reference.hla2, chains.over_xla(chains.hla2, State),
                           chains.over_pallas(chains.hla2, State))
-
-
-@precision_from_inputs
-def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64,
-         seq_axis=None, segment_ids=None, initial_state=None, return_final_state=False):
-    """Second-order masked HLA, ``[B,T,H,dv]`` in the state dtype (float32, float64 for float64 inputs).
-
-    ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
-    ``None``.  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
-    "recurrent" | "scan" | "chunked" (``chains.hla2`` over ``linear.chunked``) | "pallas" (the
-    chain over ``hla_jax.kernels.la_pallas``; interpret mode on CPU) | "auto" (the Pallas
-    chain on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``:
-    the mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
-    ``ops.sequence``).  ``segment_ids [B,T]`` int: packed documents, each run as if alone
-    (docs/math.md#packed-documents; every impl).  ``initial_state`` (a ``State``, the layout of
-    ``init_state``) and
-    ``return_final_state`` (recurrent, chunked, pallas, auto; not with ``seq_axis``): start from
-    a state (the row's first token continues it) and return ``(o, final_state)``.
-    """
-    return hla_forms.dispatch(FAMILY, impl, IMPLS, q, k, v, g, normalize=normalize, eps=eps,
-                              chunk_size=chunk_size, seq_axis=seq_axis, segment_ids=segment_ids,
-                              initial_state=initial_state, return_final_state=return_final_state)

@@ -19,7 +19,7 @@ so: its chunked form is ``paper_chunk`` scanned over chunks, whose carry is the 
 ``PaperState``.
 Packed documents (``segment_ids``, docs/math.md#packed-documents), every form: causal resets its state
 through the
-gate, ``g = −∞`` at every document start (``hla_forms.dispatch``); ``paper`` has no decay, so its
+gate, ``g = −∞`` at every document start (``ops.dispatch``); ``paper`` has no decay, so its
 forms cut at the starts themselves: the reference zeroes the cross-document entries of QKᵀ
 (``paper_reference``), the recurrence restarts from the empty state, the scan's combine is
 segmented, and ``paper_chunk`` masks by document and cuts the carried state (``paper_chunked``,
@@ -39,23 +39,13 @@ import jax.numpy as jnp
 
 from hla_jax.core.layout import from_chunks, pad_time, to_chunks
 from hla_jax.ops import chains, hla_forms, reference, sequence
-from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, precision_from_inputs, tr
+from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, tr
 from hla_jax.ops.hla_forms import finish
-
-IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
-MASKS = ("causal", "paper")
 
 
 def _vq(q, M):
     """``qᵀ M`` for ``q: [...,d]``, ``M: [...,d,n]``."""
     return ein("...i,...in->...n", q, M)
-
-
-def _check_mask(mask, g):
-    if mask not in MASKS:
-        raise ValueError(f"hla3: mask={mask!r} is not one of {MASKS}")
-    if mask == "paper" and g is not None:
-        raise ValueError("hla3: mask='paper' is defined without decay: g must be None")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,33 +353,3 @@ CAUSAL = hla_forms.Family("hla3", init_state, step, token_summaries, combine, re
 PAPER = hla_forms.Family("hla3", paper_init_state, paper_step, paper_token_summaries,
                          paper_combine, paper_readout, paper_reference, paper_chunked,
                          decayed=False)
-
-
-@precision_from_inputs
-def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="auto",
-         chunk_size=64, seq_axis=None, segment_ids=None, initial_state=None,
-         return_final_state=False):
-    """Third-order HLA, ``[B,T,H,dv]`` in the state dtype (float32, float64 for float64 inputs).
-
-    ``q, k: [B,T,H,d]``, ``v: [B,T,H,dv]``, ``g``: log-decay ``[B,T,H]``, per-head ``[H]`` or
-    ``None`` (``mask="paper"`` has no decay: ``g`` must be ``None``).  ``mask``: "causal" |
-    "paper".  ``normalize`` divides by ``clamp_signed(den, eps)``.  ``impl``: "reference" |
-    "recurrent" | "scan" | "chunked" (causal: ``chains.hla3`` over ``linear.chunked``; paper:
-    ``paper_chunked``) | "pallas" (causal mask only: the chain over
-    ``hla_jax.kernels.la_pallas``; interpret mode on CPU) | "auto" (the causal Pallas chain
-    on a GPU for bf16 inputs, ``common.pallas_preferred``; else "chunked").  ``seq_axis``: the
-    mesh axis the time axis is sharded over, inside ``jax.shard_map`` (chunked only;
-    ``ops.sequence``).  ``segment_ids [B,T]`` int: packed documents, each run as if alone
-    (docs/math.md#packed-documents; every impl, both masks).  ``initial_state`` (``State``, or
-    ``PaperState`` for
-    ``paper``: the layout of ``init_state`` / ``paper_init_state``) and ``return_final_state``
-    (recurrent, chunked, pallas, auto; not with ``seq_axis``): start from a state (the row's
-    first token continues it) and return ``(o, final_state)``.
-    """
-    _check_mask(mask, g)
-    if mask == "paper" and impl == "pallas":
-        raise ValueError("hla3: impl='pallas' is for mask='causal' only")
-    return hla_forms.dispatch(PAPER if mask == "paper" else CAUSAL, impl, IMPLS, q, k, v, g,
-                              normalize=normalize, eps=eps, chunk_size=chunk_size,
-                              seq_axis=seq_axis, segment_ids=segment_ids,
-                              initial_state=initial_state, return_final_state=return_final_state)

@@ -1,4 +1,4 @@
-"""The recurrent / scan drivers and the public-entry dispatch shared by the HLA families.
+"""The recurrent and scan drivers shared by the HLA families (their forms in ``ops.dispatch``).
 
 A family (``hla2``, ``ahla``, ``hla3`` causal and paper) supplies its mathematics as a ``Family``:
 ``init_state``, ``step``, ``token_summaries``, ``combine``, ``readout``, the quadratic
@@ -27,11 +27,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hla_jax.core.checks import check_chunk_size, check_gate, check_impl, check_qkv, check_segment_ids
-from hla_jax.core.documents import doc_starts, reset_gate
+from hla_jax.core.checks import check_qkv
 from hla_jax.core.state import state_dtype
-from hla_jax.ops import common, sequence
-from hla_jax.ops.common import cast_inputs, pallas_preferred, ratio_last_column, scan_time
+from hla_jax.ops.common import cast_inputs, ratio_last_column, scan_time
 
 
 class Family(NamedTuple):
@@ -123,65 +121,3 @@ def scan(family: Family, q, k, v, g=None, starts=None, *, normalize=False, eps=1
         flags = jnp.broadcast_to(starts[..., None], q.shape[:3]).astype(q.dtype)
         prefix = jax.lax.associative_scan(_segmented(family.combine), (flags, summaries), axis=1)[1]
     return family.readout(prefix, q, normalize=normalize, eps=eps)
-
-
-def check_state(family: Family, initial_state, return_final_state, impl, seq_axis, dims,
-                normalize, *, name):
-    """``initial_state`` / ``return_final_state`` follow ``common.wants_state`` (the rule of every
-    stateful entry);
-    ``initial_state`` is a tuple with the fields and shapes of ``family.init_state(*dims)``
-    (``dims = (B, H, d, dv)``).  Returns it as the family's state type (or ``None``)."""
-    if not common.wants_state(initial_state, return_final_state, impl, seq_axis, name=name):
-        return None
-    if initial_state is None:
-        return None
-    want = jax.eval_shape(lambda: family.init_state(*dims, normalize=normalize))
-    got = (tuple(jnp.shape(x) for x in initial_state) if isinstance(initial_state, tuple)
-           else jnp.shape(initial_state))
-    if got != tuple(w.shape for w in want):
-        raise ValueError(f"{name}: initial_state must be a {type(want).__name__} (the layout of "
-                         f"init_state) with shapes "
-                         f"{dict(zip(want._fields, (w.shape for w in want)))}, got {got}")
-    return type(want)(*initial_state)
-
-
-def dispatch(family: Family, impl, impls, q, k, v, g=None, *, normalize=False, eps=1e-6,
-             chunk_size=64, seq_axis=None, segment_ids=None, initial_state=None,
-             return_final_state=False):
-    """A public entry's checks, then ``impl``: "reference" | "recurrent" | "scan" | "chunked" |
-    "pallas" | "auto" ("pallas" when the family has it and ``common.pallas_preferred``, else
-    "chunked").  ``segment_ids [B,T]``: packed documents (module docstring); ``initial_state``
-    / ``return_final_state`` (``check_state``): returns ``(o, final_state)`` when the latter is
-    set.  Bad ``impl``, ``seq_axis`` use, ``chunk_size``, ``q, k, v``, ``g``, ``segment_ids`` or
-    state arguments raise ``ValueError`` naming the argument."""
-    name = family.name
-    check_impl(impl, impls, name=name)
-    sequence.check_impl(impl, seq_axis, name=name)
-    chunk_size = check_chunk_size(chunk_size)
-    B, T, H, d, dv = check_qkv(q, k, v, name=name)
-    g = check_gate(g, B, T, H, name=name)
-    segment_ids = check_segment_ids(segment_ids, B, T, name=name)
-    initial_state = check_state(family, initial_state, return_final_state, impl, seq_axis,
-                                (B, H, d, dv), normalize, name=name)
-    starts = None
-    if segment_ids is not None and family.decayed:
-        g = reset_gate(g, segment_ids, B, T, H, q.dtype if g is None else g.dtype, seq_axis)
-    elif segment_ids is not None:
-        starts = doc_starts(segment_ids, seq_axis)
-    by_doc = {} if family.decayed else {"starts": starts}
-    if impl == "auto":
-        fast = family.pallas is not None and pallas_preferred(seq_axis, chunk_size, q, k, v)
-        impl = "pallas" if fast else "chunked"
-    if impl == "reference":
-        return family.reference(q, k, v, g, normalize=normalize, eps=eps, **by_doc)
-    if impl == "scan":
-        return scan(family, q, k, v, g, starts, normalize=normalize, eps=eps)
-    if impl == "recurrent":
-        out = recurrent(family, q, k, v, g, starts, initial_state, normalize=normalize, eps=eps)
-    elif impl == "pallas":
-        out = family.pallas(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size,
-                            initial_state=initial_state, return_final_state=return_final_state)
-    else:
-        out = family.chunked(q, k, v, g, normalize=normalize, eps=eps, chunk_size=chunk_size,
-                             seq_axis=seq_axis, initial_state=initial_state, **by_doc)
-    return out if return_final_state else out[0]

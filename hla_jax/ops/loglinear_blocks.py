@@ -35,6 +35,7 @@ from hla_jax.core.block_levels import halves, token_weights
 from hla_jax.core.layout import heads_first
 from hla_jax.core.state import state_dtype
 from hla_jax.ops import common
+from hla_jax.ops.la_chunked import decays
 
 F32 = jnp.float32
 
@@ -63,23 +64,11 @@ def _dot16_bwd(spec, res, ct):
 dot16.defvjp(_dot16_fwd, _dot16_bwd)
 
 
-def _chunk_decay(G):
-    """``Γ[..., τ, σ] = D(τ, σ)`` on ``σ ≤ τ`` inside each chunk (``G: [..., c]`` log-decays):
-    ``exp(b_τ − b_σ)`` from the chunk-local cumulative sums of the finite log-decays, zero where
-    a reset ``g = −∞`` lies in ``(σ, τ]`` (a count of resets, so no ``−∞ − (−∞)``)."""
-    reset = jnp.isneginf(G)
-    b = jnp.cumsum(jnp.where(reset, 0.0, G), -1)
-    r = jnp.cumsum(reset.astype(jnp.int32), -1)
-    c = G.shape[-1]
-    keep = jnp.tril(jnp.ones((c, c), bool)) & (r[..., :, None] == r[..., None, :])
-    return jnp.where(keep, jnp.exp(jnp.where(keep, b[..., :, None] - b[..., None, :], 0.0)), 0.0)
-
-
 def _intra(Q, K, V, G, Lam, lc: int, dot):
     """Levels ``0..lc`` inside each chunk: ``(Λ ∘ (QKᵀ) ∘ Γ) V`` with ``Λ[τ,σ] = λ_τ^{ℓ(τ,σ)}``
     from the static table (``Q, K: [B,H,N,c,d]``, ``G: [B,H,N,c]``, ``Lam: [B,H,N,c,L]``)."""
     lam = fenwick.at_table(Lam, fenwick.level_table(1 << lc))
-    P = dot("...td,...sd->...ts", Q, K) * _chunk_decay(G) * lam
+    P = dot("...td,...sd->...ts", Q, K) * decays(G)[0] * lam
     return dot("...ts,...sv->...tv", P.astype(V.dtype), V)
 
 

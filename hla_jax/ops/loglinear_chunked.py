@@ -1,8 +1,9 @@
-"""The chunked form of the first-order SSM core (``ops.loglinear``, docs/math.md#loglinear): matmuls inside
-chunks of ``c`` tokens, chunk states across them, for plain Mamba-2 / Gated DeltaNet (an exclusive
-scan of chunk summaries) and their log-linear versions (a binary counter of chunk-level states,
-on the grid of positions or, for packed documents and states at any position, over
-document-relative blocks).  ``chunked`` is the entry; shapes as in ``ops.loglinear``.
+"""The counter form of log-linear Mamba-2 and Gated DeltaNet (docs/math.md#loglinear): matmuls
+inside chunks of ``c`` tokens and a binary counter of chunk-level states across them, on the grid
+of positions or, for packed documents and states at any position, over document-relative blocks.
+The form for packed documents, states and sequence parallelism (whole rows take the block forms,
+``ops.loglinear_blocks`` and ``ops.loglinear_gdn_blocks``).  ``chunked`` is the entry; shapes as
+in ``ops.loglinear``.
 """
 
 from __future__ import annotations
@@ -12,19 +13,22 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.linalg import solve_triangular
 
 from hla_jax.core import fenwick
 from hla_jax.core.documents import doc_positions, doc_starts
 from hla_jax.core.layout import from_chunks, to_chunks
 from hla_jax.core.state import LevelState, state_dtype
 from hla_jax.ops import common, sequence
+from hla_jax.ops.gdn_chunked import ut_matrix
+from hla_jax.ops.la_chunked import decays
 from hla_jax.ops.ssm import cast, combine, mul, reset
 
 
 def chunk_terms(Q, K, V, G, Beta):
 
-    """Per-chunk pieces, all parallel over chunks (``[B,H,N,c,...]`` inputs).
+    """Per-chunk pieces, all parallel over chunks (``[B,H,N,c,...]`` inputs), from the
+    first-order chunk forms' decays (``la_chunked.decays``) and UT matrix
+    (``gdn_chunked.ut_matrix``).
 
     Returns ``M`` (intra-chunk attention, ``[..., c, c]``), ``Q̂`` (what reads an incoming state,
     ``o ⊇ Q̂ H``), the chunk transition ``A_c`` and the write keys ``K_w`` (the chunk's own state
@@ -34,27 +38,18 @@ def chunk_terms(Q, K, V, G, Beta):
       ``W = T(γ∘K)``): ``delta_terms`` and ``K_w = Tᵀ K̃`` (own = K̃ᵀ T V);
     with ``K̃ = (γ_c/γ)∘K``.
     """
-    Gam, gamma = chunk_decays(G)
+    Gam, gamma = decays(G)
     if Beta is None:
         return (common.ein("...td,...sd->...ts", Q, K) * Gam, gamma[..., None] * Q,
                 gamma[..., -1, None, None], Gam[..., -1, :, None] * K)
-    c = K.shape[-2]
-    eye = jnp.eye(c, dtype=K.dtype)
-    strict = jnp.tril(Beta[..., :, None] * common.ein("...td,...sd->...ts", K, K) * Gam, -1)
-    Tm = solve_triangular(eye + strict, eye * Beta[..., None, :], lower=True, unit_diagonal=True)
+    Tm = ut_matrix(K, Beta, Gam)
     W = common.ein("...ts,...sd->...td", Tm, gamma[..., None] * K)
     M, Qh, A_c, Kt = delta_terms(Q, K, Gam, gamma, Tm, W)
     return M, Qh, A_c, common.ein("...ts,...td->...sd", Tm, Kt)
 
 
-def chunk_decays(G):
-    """``(Γ [..., c, c], γ [..., c])`` of a chunk's log-decays ``G [..., c]``: ``Γ[τ,σ] = D(τ,σ)``
-    (``τ ≥ σ``, else 0) and ``γ_τ = D(τ, −1)``, the decay from the chunk's start."""
-    return common.decay_matrix(G), jnp.exp(jnp.cumsum(G, axis=-1))
-
-
 def delta_terms(Q, K, Gam, gamma, Tm, W):
-    """Gated DeltaNet's ``(M, Q̂, A_c, K̃)`` of one chunk given its decays (``chunk_decays``), its
+    """Gated DeltaNet's ``(M, Q̂, A_c, K̃)`` of one chunk given its decays (``la_chunked.decays``), its
     UT transform ``Tm [..., c, c]`` and ``W = T(γ∘K) [..., c, d]`` (however computed:
     ``chunk_terms`` or the UT kernel): ``P = (QKᵀ)∘Γ``, ``M = P T``, ``Q̂ = γ∘Q − P W``,
     ``A_c = γ_c I − K̃ᵀ W``, ``K̃ = (γ_c/γ)∘K``."""
@@ -64,21 +59,6 @@ def delta_terms(Q, K, Gam, gamma, Tm, W):
     A_c = gamma[..., -1, None, None] * jnp.eye(d, dtype=K.dtype) - common.ein("...cd,...ce->...de", Kt, W)
     return (common.ein("...ts,...sr->...tr", P, Tm),
             gamma[..., None] * Q - common.ein("...ts,...sd->...td", P, W), A_c, Kt)
-
-
-def _prefix_plain(Qh, A_c, own, seq_axis=None, h0=None):
-    """``(Q̂ H_{n−1}, H_final)``: ``H`` the exclusive prefix of ``combine`` over chunks (and
-    earlier shards) behind the initial state ``h0 [B,H,d,dv]`` (None: zeros), and the state after
-    the last chunk."""
-    B, H, _, d = own.shape[:4]
-    eye = jnp.ones((1, 1), own.dtype) if A_c.shape[-1] == 1 else jnp.eye(d, dtype=own.dtype)
-    identity = (jnp.broadcast_to(eye, (B, H, 1) + eye.shape),
-                jnp.zeros((B, H, 1) + own.shape[3:], own.dtype))
-    A_p, Hp = sequence.chunk_prefixes(combine, identity, (A_c, own), 2, seq_axis)
-    if h0 is not None:
-        A_p, Hp = combine((identity[0], h0[:, :, None].astype(own.dtype)), (A_p, Hp))
-    final = combine((A_p[:, :, -1], Hp[:, :, -1]), (A_c[:, :, -1], own[:, :, -1]))[1]
-    return common.ein("...cd,...dv->...cv", Qh, Hp), final
 
 
 def _at_levels(Lam, idx):
@@ -292,14 +272,13 @@ def _incoming_read(Qh, A_c, Lam, pos, start, local, seq_axis):
     return _level_scan(Qh, A_c, incoming=(H_in, w_in), seq_axis=seq_axis)[0]
 
 
-def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None, initial_state=None,
+def chunked(q, k, v, g, beta, lam, chunk_size=64, seq_axis=None, initial_state=None,
             segment_ids=None):
-    """Chunked form: O(T·c) intra-chunk matmuls plus a scan over chunk states.  Returns
-    ``(o, final_state)``: the state after the last token in ``init_state``'s layout (None for
-    the log-linear operators under ``seq_axis``).
+    """Counter form: O(T·c) intra-chunk matmuls plus a scan over chunk states.  Returns
+    ``(o, final_state)``: the ``LevelState`` after the last token (None under ``seq_axis``).
+    ``beta=None``: log-linear Mamba-2.
 
-    Plain: ``O = M V + Q̂ H_{n−1}``, from ``initial_state [B,H,d,dv]``; ``segment_ids [B,T]``
-    reset the state (``g = -inf``).  Log-linear (``chunk_size`` a power of two): levels
+    ``chunk_size`` a power of two; levels
     ``0..log2 c`` are inside the chunk, ``O ⊇ (Λ_intra ∘ M) V`` with
     ``Λ_intra[τ,σ] = λ_τ^{ℓ(τ,σ)}`` from the static table ``fenwick.level_table(c)``; chunk
     ``n' < n`` is at level ``log2 c + bit_length(n XOR n')`` and enters as ``λ_τ^{(ℓ)} Q̂_τ Hc[ℓ]``.
@@ -313,8 +292,7 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None, initi
     shapes.  The initial state's keys come in as level states at ``P``, read by query t at
     level ``max(ℓ, bit_length(p_t XOR P))`` (``fenwick.levels_at``).
 
-    ``seq_axis`` (``ops.sequence``): plain, the earlier shards' total state precedes the chunk
-    prefixes.  Log-linear, levels depend on global positions: shard ``j`` (first token
+    ``seq_axis`` (``ops.sequence``): levels depend on global positions: shard ``j`` (first token
     ``t0 = j T``) shifts its tokens by ``t0 mod c`` behind zero tokens so that its chunks sit on
     the global chunk grid (``level_table`` and the counter, started empty at global chunk
     ``⌊t0/c⌋``, stay exact; a chunk split between shards is read by both, each with its own
@@ -328,9 +306,9 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None, initi
     B, T = q.shape[:2]
     g = reset(g, segment_ids, seq_axis)
     c = chunk_size
-    documents = lam is not None and (segment_ids is not None or initial_state is not None)
+    documents = segment_ids is not None or initial_state is not None
     t0 = sequence.first_position(seq_axis, T)
-    shifted = lam is not None and not documents and seq_axis is not None and T % c != 0
+    shifted = not documents and seq_axis is not None and T % c != 0
     shift = t0 % c if shifted else 0
     N = -(-(T + (c - 1) * shifted) // c)
 
@@ -341,9 +319,6 @@ def chunked(q, k, v, g, beta=None, lam=None, chunk_size=64, seq_axis=None, initi
     Q, K, V, G, Beta, Lam = (None if x is None else chunks(x) for x in (q, k, v, g, beta, lam))
     M, Qh, A_c, Kw = chunk_terms(Q, K, V, G, Beta)
     own = common.ein("...cd,...cv->...dv", Kw, V)
-    if Lam is None:
-        prefix, final = _prefix_plain(Qh, A_c, own, seq_axis, initial_state)
-        return from_chunks(common.ein("...ts,...sv->...tv", M, V) + prefix, T), final
     L = Lam.shape[-1]
     lc = fenwick.chunk_log2(c)
     S = fenwick.num_levels(-(-(T * sequence.axis_size(seq_axis)) // c) + int(shifted))

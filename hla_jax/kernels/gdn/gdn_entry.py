@@ -187,6 +187,21 @@ def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name, required=True)
     beta = check_per_token(beta, B, T, H, "beta", name=name)
+    if initial_state is not None and jnp.shape(initial_state) != (B, H, d, dv):
+        raise ValueError(f"{name}: initial_state must have shape [B,H,d,dv]={(B, H, d, dv)}, got "
+                         f"{jnp.shape(initial_state)}")
+    return gated_deltanet_kernel(q, k, v, g, beta, initial_state=initial_state,
+                                 return_final_state=return_final_state, chunk_size=chunk_size,
+                                 pieces=pieces, backend=backend, interpret=interpret)
+
+
+def gated_deltanet_kernel(q, k, v, g, beta, *, initial_state=None, return_final_state=False,
+                          chunk_size=64, pieces=None, backend=None, interpret=None):
+    """``gated_deltanet_pallas`` on inputs it has checked (``g``, ``beta`` ``[B,T,H]``): the
+    ops' entry, which checks them itself."""
+    name = "gated_deltanet_pallas"
+    B, T, H, d = q.shape
+    dv = v.shape[-1]
     backend = wrap.backend_choice(name, backend, tuple(BACKENDS), "mosaic_gpu")
     if backend == "tpu" and not (chunk_size == C and jnp.dtype(q.dtype) in TPU_DTYPES
                                   and q.dtype == k.dtype == v.dtype):
@@ -199,9 +214,6 @@ def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_
             f"{name}: takes 16-bit q, k, v of one dtype with head dim in {mosaic_gpu.HEAD_DIMS} and "
             f"chunk_size={C}; got {q.dtype}/{k.dtype}/{v.dtype}, d={d}, chunk_size={chunk_size!r} "
             f"(ops.gated_deltanet(impl='chunked') takes any)")
-    if initial_state is not None and jnp.shape(initial_state) != (B, H, d, dv):
-        raise ValueError(f"{name}: initial_state must have shape [B,H,d,dv]={(B, H, d, dv)}, got "
-                         f"{jnp.shape(initial_state)}")
     N = max(1, -(-T // C))   # chunks
     if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool)
                                or not 1 <= pieces <= N or (backend == "tpu" and pieces > 1)):

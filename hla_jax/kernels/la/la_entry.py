@@ -58,6 +58,17 @@ def la_pallas(q, k, v, g=None, *, initial_state=None, return_final_state=False, 
     if initial_state is not None and jnp.shape(initial_state) != (B, H, d, dv):
         raise ValueError(f"{name}: initial_state must have shape [B,H,d,dv]={(B, H, d, dv)}, got "
                          f"{jnp.shape(initial_state)}")
+    return la_kernel(q, k, v, g, initial_state=initial_state, return_final_state=return_final_state,
+                     chunk_size=chunk_size, backend=backend, interpret=interpret)
+
+
+def la_kernel(q, k, v, g, *, initial_state=None, return_final_state=False, chunk_size=64,
+              backend=None, interpret=None):
+    """``la_pallas`` on inputs it has checked (``g`` ``[B,T,H]`` or None): the ops' entry,
+    which checks them itself."""
+    name = "la_pallas"
+    B, T, H, d = q.shape
+    dv = v.shape[-1]
     gpu_default = "mosaic_gpu" if mosaic_gpu.supports(q, k, v, chunk_size) else "triton"
     backend = wrap.backend_choice(name, backend, BACKENDS, gpu_default)
     if backend == "mosaic_gpu":

@@ -223,9 +223,21 @@ def loglinear_mamba2_pallas(q, k, v, g, lam, *, segment_ids=None, chunk_size=64,
     g = check_gate(g, B, T, H, name=name, required=True)
     lam = check_lam(lam, B, T, H, name=name)
     segment_ids = check_segment_ids(segment_ids, B, T, name=name)
+    return loglinear_mamba2_kernel(q, k, v, g, lam, segment_ids=segment_ids,
+                                   chunk_size=chunk_size, interpret=interpret, block_v=block_v,
+                                   block_v_bwd=block_v_bwd, num_warps=num_warps, backend=backend)
+
+
+def loglinear_mamba2_kernel(q, k, v, g, lam, *, segment_ids=None, chunk_size=64, interpret=None,
+                            block_v=128, block_v_bwd=128, num_warps=4, backend=None):
+    """``loglinear_mamba2_pallas`` on inputs it has checked (``g`` and per-token inputs
+    ``[B,T,H]``): the ops' entry, which checks them itself."""
+    name = "loglinear_mamba2_pallas"
+    B, T, H, d = q.shape
+    dv = v.shape[-1]
     backend = backend_choice(name, backend, tuple(BACKENDS), "triton")
     if segment_ids is not None:
-        return packed(loglinear_mamba2_pallas, q, k, v, jnp.broadcast_to(g, (B, T, H)), (), lam,
+        return packed(loglinear_mamba2_kernel, q, k, v, jnp.broadcast_to(g, (B, T, H)), (), lam,
                       segment_ids, chunk_size=chunk_size, interpret=interpret, block_v=block_v,
                       block_v_bwd=block_v_bwd, num_warps=num_warps, backend=backend)
     c, Tp, dp, dt, interpret, backend, block_v, block_v_bwd = launch(

@@ -134,9 +134,23 @@ def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, segment_ids=None, 
     beta = check_per_token(beta, B, T, H, "beta", name=name)
     lam = check_lam(lam, B, T, H, name=name)
     segment_ids = check_segment_ids(segment_ids, B, T, name=name)
+    return loglinear_gated_deltanet_kernel(q, k, v, g, beta, lam, segment_ids=segment_ids,
+                                           chunk_size=chunk_size, interpret=interpret,
+                                           block_v=block_v, block_v_bwd=block_v_bwd,
+                                           num_warps=num_warps, backend=backend)
+
+
+def loglinear_gated_deltanet_kernel(q, k, v, g, beta, lam, *, segment_ids=None, chunk_size=64,
+                                    interpret=None, block_v=64, block_v_bwd=64, num_warps=8,
+                                    backend=None):
+    """``loglinear_gated_deltanet_pallas`` on inputs it has checked (``g`` and per-token inputs
+    ``[B,T,H]``): the ops' entry, which checks them itself."""
+    name = "loglinear_gated_deltanet_pallas"
+    B, T, H, d = q.shape
+    dv = v.shape[-1]
     backend = backend_choice(name, backend, tuple(BACKENDS), "triton")
     if segment_ids is not None:
-        return packed(loglinear_gated_deltanet_pallas, q, k, v, jnp.broadcast_to(g, (B, T, H)),
+        return packed(loglinear_gated_deltanet_kernel, q, k, v, jnp.broadcast_to(g, (B, T, H)),
                       (beta,), lam, segment_ids, chunk_size=chunk_size, interpret=interpret,
                       block_v=block_v, block_v_bwd=block_v_bwd, num_warps=num_warps,
                       backend=backend)
