@@ -11,8 +11,9 @@ Any field can then be overridden, e.g. ``--config.train.num_steps=1000 --config.
 Data defaults to the embedded corpus (the bytes of this Python's standard library sources),
 packed: each source file is one document (``data.pack=True``: no attention or state across files,
 no loss on a file's first byte). A real corpus: ``--config.data.kind=tokens
---config.data.path=corpus.npy`` (see ``python -m hla_jax.data.prepare``) with
-``--config.data.separator=ID`` (the token that ends each document) or ``--config.data.pack=False``.
+--config.data.path=DIR --config.model.vocab_size=0``, DIR written by ``python -m
+hla_jax.data.prepare`` (documents packed at its end-of-document token, the vocabulary its
+tokenizer's).
 Field meanings: ``hla_jax/train/config.py``.
 
 Sizes (params with a 256-byte vocabulary; softmax's RoPE table covers twice the training

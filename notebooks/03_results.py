@@ -161,3 +161,14 @@ for path, res in load("bench_ops_*.json", "python -m experiments.bench_ops").ite
 for path in load("bench_prefill_*.json", "python -m experiments.bench_prefill"):
     display(Markdown(f"### {path.name}"))
     markdown(path.with_suffix(".md"))
+
+# %% [markdown]
+# ## Corpus preparation
+#
+# MB/s of `python -m hla_jax.data.prepare` on the embedded corpus with the byte tokenizer and a
+# 32k byte-level BPE (`python -m experiments.bench_prepare`).
+
+# %%
+for path in load("bench_prepare_*.json", "python -m experiments.bench_prepare"):
+    display(Markdown(f"### {path.name}"))
+    markdown(path.with_suffix(".md"))

@@ -1,7 +1,9 @@
-"""Test helpers shared by the operator tests."""
+"""Test helpers shared by the operator and training tests."""
 
 import contextlib
+import importlib.util
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +164,41 @@ def data_cfg(**over):
         niah=dict(n_digits=5)))
     c.update(over)
     return c
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY_LM = {  # configs/lm.py's tiny LM shrunk: d=32, one hla2 layer, T=32 (two chunks), batch 8
+    "model.d_model": 32, "model.n_layers": 1, "model.chunk_size": 16, "data.seq_len": 32,
+    "data.batch_size": 8, "data.eval_fraction": 0.2, "optim.decay_steps": 8,
+    "train.log_every": 1, "train.eval_every": 0, "train.eval_steps": 0,
+    "train.checkpoint_every": 4, "train.sample_tokens": 0, "train.progress_bar": False,
+    "train.tensorboard": False}
+
+
+def write_docs(path) -> pathlib.Path:
+    """A tiny text corpus in ``path``: 60 files of 20-200 printable bytes."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(60):
+        (path / f"{i:02d}.txt").write_bytes(rng.integers(32, 127, rng.integers(20, 200)).astype(np.uint8))
+    return path
+
+
+def tiny_lm_config(docs, num_steps: int, settings: dict | None = None):
+    """``configs/lm.py:mixer=hla2,size=tiny`` with ``TINY_LM``, the corpus ``docs``, ``num_steps``
+    and the flattened ``settings`` (e.g. ``{"mesh.data": 2}``)."""
+    spec = importlib.util.spec_from_file_location("configs_lm", ROOT / "configs" / "lm.py")
+    lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm)
+    c = lm.get_config("mixer=hla2,size=tiny")
+    c.update_from_flattened_dict({**TINY_LM, "data.path": str(docs), "train.num_steps": num_steps,
+                                  **(settings or {})})
+    return c
+
+
+def tiny_lm_flags(docs, num_steps: int, settings: dict | None = None) -> list[str]:
+    """``tiny_lm_config``'s settings as ``hla_jax.main`` flags."""
+    values = {**TINY_LM, "data.path": docs, "train.num_steps": num_steps, **(settings or {})}
+    return (["--config=configs/lm.py:mixer=hla2,size=tiny"]
+            + [f"--config.{k}={v}" for k, v in values.items()])

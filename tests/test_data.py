@@ -1,18 +1,18 @@
-"""hla_jax.data: tokenizer, corpora, memmaps, MQAR / NIAH, deterministic resumable batches."""
+"""hla_jax.data: byte tokenizer, corpora, MQAR / NIAH, deterministic resumable batches
+(tokenizers: test_tokenizers.py; prepared corpora: test_prepare.py)."""
 
 import numpy as np
 import pytest
 from helpers import data_cfg
 
 from hla_jax import data
-from hla_jax.data.prepare import write_tokens
 
 
 def test_byte_tokenizer_round_trip():
     tok = data.ByteTokenizer()
     text = "héllo, wörld → ∑"
     ids = tok.encode(text)
-    assert ids.dtype == np.uint8 and ids.size == len(text.encode())
+    assert ids.dtype == np.int32 and ids.size == len(text.encode())
     assert tok.decode(ids) == text
     assert tok.decode([0xFF, 300]) == "\ufffd\ufffd"
 
@@ -45,18 +45,17 @@ def test_text_files_and_missing_paths(tmp_path):
         data.make_sources(data_cfg(path=str(tmp_path / "nope.txt")), 256)
 
 
-def test_prepare_writes_memmap_of_the_same_tokens(tmp_path):
-    for i in range(3):
-        (tmp_path / f"doc{i}.txt").write_text(f"document {i}: " + "abc" * (50 + i))
-    out = write_tokens([tmp_path], tmp_path / "out" / "corpus.npy")
-    tokens = data.load_tokens(tmp_path / "out" / "corpus.npy")
-    assert tokens.dtype == np.uint16 and isinstance(tokens, np.memmap)
-    expected = data.read_bytes(data.text_files(str(tmp_path)))
-    np.testing.assert_array_equal(tokens, expected)
-    np.testing.assert_array_equal(out, expected)
-    assert write_tokens([tmp_path], tmp_path / "big.npy", vocab_size=70_000).dtype == np.uint32
-    train, ev = data.make_sources(data_cfg(kind="tokens", path=str(tmp_path / "out/corpus.npy")), 256)
-    assert train.tokens.size + ev.tokens.size == tokens.size
+def test_bare_token_memmap(tmp_path):
+    """A ``.npy`` from elsewhere: its tail held out, packed at an explicit separator, no tokenizer."""
+    tokens = np.arange(1000, dtype=np.uint16) % 300
+    np.save(tmp_path / "t.npy", tokens)
+    cfg = data_cfg(kind="tokens", path=str(tmp_path / "t.npy"), pack=True, separator=299)
+    train, ev = data.make_sources(cfg, 300)
+    assert isinstance(train.tokens, np.memmap) and train.separator == ev.separator == 299
+    np.testing.assert_array_equal(np.concatenate([train.tokens, ev.tokens]), tokens)
+    assert ev.tokens.size == 100 and data.data_vocab_size(cfg) is None
+    with pytest.raises(ValueError, match="bare token memmap without a tokenizer"):
+        data.tokenizer_for_data(cfg)
 
 
 def test_batches_are_deterministic_and_resumable():

@@ -14,7 +14,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from experiments import bench_ops, long_context, niah, position_loss  # noqa: E402
+from experiments import bench_decode, bench_ops, long_context, niah, position_loss  # noqa: E402
 from hla_jax.data import ByteTokenizer, corpus  # noqa: E402
 
 
@@ -355,6 +355,86 @@ def test_plot_kernels_draws_the_methods_that_exist(tmp_path):
         plot_kernels.LABELS[m][0] for m in ("mamba2_pallas", "cudnn_causal")]
     out = plot_kernels.main(["--files", str(tmp_path / "bench.json"), "--out", str(tmp_path / "k.png")])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_decode_resumes_rows_and_reports_crossings(tmp_path):
+    """``experiments.bench_decode`` at the tiny size in this process: one row per (mixer, prompt,
+    batch), a row already in the JSONL (an out-of-memory softmax) kept, then the json (all rows),
+    tables, crossing and plot; a second call runs nothing; other settings are refused."""
+    args = ["--size", "tiny", "--mixers", "softmax,linear", "--prompts", "16,32", "--new_tokens",
+            "4", "--batch", "1", "--repeats", "1", "--isolate", "0", "--ratio_at", "32", "--tag", "t",
+            "--out", str(tmp_path)]
+    jsonl = tmp_path / "bench_decode_t.jsonl"
+    oom = {"mixer": "softmax", "prompt": 32, "batch": 1, "size": "tiny", "new_tokens": 4,
+           "repeats": 1, "impl": "auto", "cast_weights": 1, "device": "cpu", "status": "oom",
+           "oom_stage": "decode"}
+    jsonl.write_text(json.dumps(oom) + "\n")
+    md = bench_decode.main(args)
+    res, _ = _outputs(tmp_path, "bench_decode_t")
+    assert not jsonl.exists()  # the finished grid's rows moved to the json, in grid order
+    rows = res["rows"]
+    assert [(r["mixer"], r["prompt"], r["status"]) for r in rows] == [
+        ("softmax", 16, "ok"), ("linear", 16, "ok"), ("softmax", 32, "oom"), ("linear", 32, "ok")]
+    assert rows[2] == oom
+    for r in (rows[0], rows[1], rows[3]):
+        assert r["tokens_per_s"] == pytest.approx(4 / r["decode_s"]) and r["prefill_s"] > 0
+        assert r["kernels_per_step"] > 10 and r["state_bytes_per_seq"] > 0
+        assert r["provenance"]["command"].startswith("python")
+    assert rows[1]["state_bytes_per_seq"] == rows[3]["state_bytes_per_seq"]  # O(1) in the prompt
+    s = res["summary"]["linear"]["1"]
+    assert s["softmax_oom_at"] and s["ratio_at"] is None and s["meets_target"]  # 32: softmax OOM
+    assert s["crossing_text"] in ("≤ 16", "16–32") and s["crossing"] is None
+    assert "| softmax | " in md and "OOM (decode)" in md and "softmax OOM" in md
+    bench_decode.main(args)  # every row exists: nothing runs again, the results are rewritten
+    assert json.loads((tmp_path / "bench_decode_t.json").read_text())["rows"] == rows
+    with pytest.raises(SystemExit, match="holds rows measured with"):
+        bench_decode.main(args[:7] + ["8"] + args[8:])
+    with pytest.raises(SystemExit, match="--mixers must start with softmax"):
+        bench_decode.main(["--mixers", "hla2,softmax"])
+
+
+def test_bench_decode_crossing_and_kernel_count():
+    """The crossing of a mixer's ratio to softmax (log-log interpolation), and the kernels per
+    iteration of an optimised program's loop (fusions and copies count; tuples, parameters and
+    constants do not; called computations are entered)."""
+    prompts = [8192, 32768, 131072]
+    assert bench_decode.crossing(prompts, [0.5, 2.0, 4.0]) == (pytest.approx(16384), "≈ 16.0K")
+    assert bench_decode.crossing(prompts, [1.2, 2.0, 4.0]) == (None, "≤ 8K")
+    assert bench_decode.crossing(prompts, [0.2, 0.5, None]) == (None, "> 128K")
+    assert bench_decode.crossing(prompts, [0.2, 0.5, float("inf")]) == (None, "32K–128K")
+    hlo = """HloModule m
+%fused (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  ROOT %t = f32[2]{0} tanh(%p)
+}
+%cmd (a: f32[2]) -> f32[2] {
+  %a = f32[2]{0} parameter(0)
+  %f1 = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused
+  ROOT %f2 = f32[2]{0} fusion(%f1), kind=kLoop, calls=%fused
+}
+%body (t: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %t = (s32[], f32[2]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[2]{0} get-tuple-element(%t), index=1
+  %c = f32[2]{0} call(%x), to_apply=%cmd
+  %y = f32[2]{0} copy(%c)
+  ROOT %r = (s32[], f32[2]{0}) tuple(%i, %y)
+}
+%cond (t: (s32[], f32[2])) -> pred[] {
+  %t = (s32[], f32[2]{0}) parameter(0)
+  %n = s32[] constant(5)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+ENTRY %main (x: f32[2]) -> f32[2] {
+  %x = f32[2]{0} parameter(0)
+  %z = s32[] constant(0)
+  %t = (s32[], f32[2]{0}) tuple(%z, %x)
+  %w = (s32[], f32[2]{0}) while(%t), condition=%cond, body=%body
+  ROOT %o = f32[2]{0} get-tuple-element(%w), index=1
+}
+"""
+    assert bench_decode.kernels_per_step(hlo) == 4  # 2 fusions in the call, the copy, the compare
 
 
 def test_train_throughput_runs_each_mixer_in_its_own_process(tmp_path):

@@ -12,7 +12,7 @@ from helpers import assert_close
 from helpers import data_cfg as plain_data_cfg
 
 from hla_jax import data
-from hla_jax.data.prepare import write_tokens
+from hla_jax.data.prepare import prepare
 from hla_jax.nn import LM, MIXER_CLASSES, MIXERS, ModelConfig
 from hla_jax.nn.layers import ShortConv
 from hla_jax.train.steps import token_nll
@@ -153,12 +153,12 @@ def test_text_files_pack_deterministically_and_resume(tmp_path):
 
 
 def test_token_memmap_packs_at_the_separator(tmp_path):
-    """``prepare --separator=256`` ends every file with 256; the separator belongs to the
-    document it ends (it is a target), the token after it starts the next one (not a target)."""
-    write_tokens([letters(tmp_path, [30, 5, 70, 12, 44])], tmp_path / "c.npy", vocab_size=257,
-                 separator=256)
-    cfg = data_cfg(kind="tokens", path=str(tmp_path / "c.npy"), separator=256, eval_fraction=0.25)
-    train, _ = data.make_sources(cfg, 257)
+    """``prepare`` (bytes) ends every file with 256, the separator packing defaults to; it
+    belongs to the document it ends (it is a target), the token after it starts the next one
+    (not a target)."""
+    prepare([letters(tmp_path, [30, 5, 70, 12, 44, 20])], tmp_path / "c", validation_fraction=0.3,
+            progress=False)
+    train, _ = data.make_sources(data_cfg(kind="tokens", path=str(tmp_path / "c")), 257)
     batch = next(data.DataIterator(train, 8, seed=0))
     x, y, m, seg = (batch[k] for k in data.pipeline.FIELDS)
     np.testing.assert_array_equal(m == 0, x == 256)
@@ -167,7 +167,7 @@ def test_token_memmap_packs_at_the_separator(tmp_path):
 
 
 @pytest.mark.parametrize("over, vocab, match", [
-    (dict(kind="tokens", path="x.npy"), 256, "data.pack=True with data.kind=tokens needs data.separator"),
+    (dict(kind="tokens", path="x.npy"), 256, "a bare .npy memmap needs data.separator"),
     (dict(kind="tokens", path="x.npy", separator=256), 256, "data.separator must be a token id"),
     (dict(separator=0), 256, "data.separator=0 marks document ends"),
     (dict(kind="tokens", path="x.npy", separator=3, pack=False), 256, "data.separator=3"),
@@ -179,14 +179,12 @@ def test_bad_packing_settings(over, vocab, match):
         data.make_sources(data_cfg(**over), vocab)
 
 
-def test_bad_segment_ids_and_separator(tmp_path):
+def test_bad_segment_ids_and_separator():
     model = LM(tiny("linear", n_layers=1), rngs=nnx.Rngs(0))
     tok = jnp.zeros((2, 8), jnp.int32)
     with pytest.raises(ValueError, match="segment_ids must be an integer array"):
         model(tok, segment_ids=jnp.zeros((2, 7), jnp.int32))
     with pytest.raises(ValueError, match="segment_ids must be an integer array"):
         model(tok, segment_ids=jnp.zeros((2, 8), jnp.float32))
-    with pytest.raises(ValueError, match="separator must be a token id"):
-        write_tokens([letters(tmp_path, [3])], tmp_path / "c.npy", separator=256)
     with pytest.raises(ValueError, match="doc_starts or separator"):
         data.TextSource(np.zeros(10, np.uint8), 4, doc_starts=[0], separator=0)

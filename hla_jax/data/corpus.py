@@ -1,15 +1,19 @@
 """Text corpora as token arrays: the embedded default corpus, text files or folders, and
-pre-tokenized memmaps (``.npy``, uint16 or uint32, written by ``python -m hla_jax.data.prepare``).
+prepared corpus directories (``python -m hla_jax.data.prepare``: ``train.npy`` and
+``validation.npy`` token memmaps, the tokenizer and ``corpus.json``).
 Text corpora also give each file's first offset: one file is one document (``data.pack``).
 """
 
 import functools
+import json
 import pathlib
 import sysconfig
 
 import numpy as np
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+CORPUS_JSON = "corpus.json"          # a prepared corpus's description (sources, splits, tokenizer)
+SPLITS = ("train", "validation")     # a prepared corpus's memmaps, <split>.npy
 
 
 def stdlib_files() -> list[pathlib.Path]:
@@ -23,11 +27,12 @@ def stdlib_files() -> list[pathlib.Path]:
                   if not _SKIP_DIRS & set(p.relative_to(root).parts[:-1]))
 
 
-def text_files(paths, pattern: str = "*.txt") -> list[pathlib.Path]:
+def text_files(paths, pattern: str = "*.txt", what: str = "data.path") -> list[pathlib.Path]:
     """Files named by ``paths`` (a path, a comma-separated string or a list); folders are searched
     recursively for ``pattern``, files are taken as given. Sorted within each folder.
 
-    Raises ValueError when a path does not exist or a folder holds no matching file.
+    Raises ValueError, naming the setting ``what``, when a path does not exist or a folder holds
+    no matching file.
     """
     if isinstance(paths, (str, pathlib.Path)):
         paths = [p for p in str(paths).split(",") if p]
@@ -36,12 +41,12 @@ def text_files(paths, pattern: str = "*.txt") -> list[pathlib.Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob(pattern) if p.is_file())
             if not found:
-                raise ValueError(f"data.path: folder {path} holds no file matching {pattern!r}")
+                raise ValueError(f"{what}: folder {path} holds no file matching {pattern!r}")
             files += found
         elif path.is_file():
             files.append(path)
         else:
-            raise ValueError(f"data.path: {path} does not exist")
+            raise ValueError(f"{what}: {path} does not exist")
     return files
 
 
@@ -75,9 +80,27 @@ def stdlib_tokens() -> np.ndarray:
     return stdlib_documents()[0]
 
 
-def token_dtype(vocab_size: int):
-    """Smallest memmap dtype for ``vocab_size`` ids: uint16 up to 65536, else uint32."""
-    return np.uint16 if vocab_size <= 2**16 else np.uint32
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest memmap dtype for ``vocab_size`` ids: uint8 up to 256, uint16 up to 65536, else
+    uint32."""
+    return np.dtype(np.uint8 if vocab_size <= 2**8 else np.uint16 if vocab_size <= 2**16
+                    else np.uint32)
+
+
+def is_bare_memmap(path) -> bool:
+    """Whether a ``data.kind=tokens`` path names a bare ``.npy`` token memmap (no tokenizer, no
+    splits) rather than a prepared corpus directory."""
+    return str(path).endswith(".npy")
+
+
+def corpus_info(directory) -> dict:
+    """The ``corpus.json`` of a prepared corpus directory (ValueError naming ``data.path`` when
+    ``directory`` is not one)."""
+    meta = pathlib.Path(directory) / CORPUS_JSON
+    if not meta.is_file():
+        raise ValueError(f"data.path must be a corpus directory written by python -m "
+                         f"hla_jax.data.prepare (with {CORPUS_JSON}), got {str(directory)!r}")
+    return json.loads(meta.read_text())
 
 
 def load_tokens(path) -> np.ndarray:

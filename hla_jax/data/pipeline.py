@@ -6,15 +6,23 @@ own rows (``rows_for_process``) while all hosts agree on the global batch.
 Batches are dicts of numpy arrays ``inputs, targets`` int32 and ``mask`` float32, ``[accum,b,T]``;
 packed text batches also carry ``segment_ids`` int32 ``[accum,b,T]``.
 
+Token corpora (``data.kind=tokens``) are directories written by ``python -m hla_jax.data.prepare``:
+training reads ``train.npy``, evaluation ``validation.npy``, and the model's vocabulary must cover
+the tokenizer's (``data_vocab_size``). Text corpora, and a bare ``.npy`` token memmap (no
+tokenizer: ids unchecked, documents only by an explicit ``data.separator``), hold out their tail
+(``data.eval_fraction``).
+
 Packing (``data.pack``, text and token corpora): a row is a random window of ``T + 1``
 consecutive tokens of the corpus (its documents concatenated, so no padding), each token labelled
 with its document. Documents are the files of a text corpus, or the runs of a token memmap that
-each end with ``data.separator`` (the separator belongs to the document it ends). In a row,
-``segment_ids`` number the input tokens' documents from 0 (a document cut by the row's start is
-just a document that starts at position 0) and ``mask`` is 0 where a target lies in another
-document than its input token, so the first token of a document is never predicted from the
-previous one.
+each end with ``data.separator`` (default: the tokenizer's end-of-document id; the separator
+belongs to the document it ends). In a row, ``segment_ids`` number the input tokens' documents
+from 0 (a document cut by the row's start is just a document that starts at position 0) and
+``mask`` is 0 where a target lies in another document than its input token, so the first token
+of a document is never predicted from the previous one.
 """
+
+import pathlib
 
 import numpy as np
 
@@ -66,9 +74,24 @@ class TextSource:
         return doc - doc[0]
 
 
+def _bare_memmap(data) -> bool:
+    return data.kind == "tokens" and corpus.is_bare_memmap(data.path)
+
+
+def data_vocab_size(data) -> int | None:
+    """The vocabulary ``config.data`` needs: 256 for bytes (text, niah), the tokenizer's for a
+    prepared corpus (tokens), None for mqar and a bare memmap (unknown: any size)."""
+    if data.kind == "mqar" or _bare_memmap(data):
+        return None
+    if data.kind == "tokens":
+        return corpus.corpus_info(data.path)["tokenizer"]["vocab_size"]
+    return 256
+
+
 def _check_packing(data, vocab_size: int) -> tuple[bool, int]:
     """``(pack, separator)`` of ``config.data`` (configs saved before these fields existed read
-    as unpacked); ValueError naming the field on a setting that cannot apply."""
+    as unpacked; separator -1: the corpus's own document ends); ValueError naming the field on a
+    setting that cannot apply."""
     pack, separator = bool(data.get("pack", False)), int(data.get("separator", -1))
     if pack and data.kind not in ("text", "tokens"):
         raise ValueError(f"data.pack=True packs the documents of a corpus (data.kind text or "
@@ -77,13 +100,12 @@ def _check_packing(data, vocab_size: int) -> tuple[bool, int]:
         raise ValueError(f"data.separator={separator} marks document ends for data.pack=True with "
                          f"data.kind=tokens only (text files are one document each); got "
                          f"data.pack={pack}, data.kind={data.kind!r}")
-    if pack and data.kind == "tokens":
-        if separator == -1:
-            raise ValueError("data.pack=True with data.kind=tokens needs data.separator (the token "
-                             "id that ends each document) or data.pack=False")
-        if not 0 <= separator < vocab_size:
-            raise ValueError(f"data.separator must be a token id in [0, model.vocab_size="
-                             f"{vocab_size}), or -1 (none), got {separator}")
+    if separator != -1 and not 0 <= separator < vocab_size:
+        raise ValueError(f"data.separator must be a token id in [0, model.vocab_size="
+                         f"{vocab_size}), or -1 (the tokenizer's end of document), got {separator}")
+    if pack and separator == -1 and _bare_memmap(data):
+        raise ValueError("data.pack=True with a bare .npy memmap needs data.separator (the token "
+                         "id that ends each document) or data.pack=False")
     return pack, separator
 
 
@@ -99,13 +121,18 @@ def make_sources(data, vocab_size: int):
         return (MQAR(data.seq_len, vocab_size, mqar.num_kv_pairs, mqar.power_a),) * 2
     if data.kind == "niah":
         return (NIAH(data.seq_len, data.niah.n_digits),) * 2
+    needed = data_vocab_size(data)
+    if needed is not None and vocab_size < needed:
+        raise ValueError(f"model.vocab_size={vocab_size} is smaller than the data's vocabulary "
+                         f"({needed}, {'its tokenizer' if data.kind == 'tokens' else 'bytes'}): "
+                         f"set model.vocab_size=0 (the data's) or >= {needed}")
+    if data.kind == "tokens" and not _bare_memmap(data):
+        return _prepared_sources(data, pack, separator)
     starts = None
     if data.kind == "tokens":
         tokens = corpus.load_tokens(data.path)
     else:
         tokens, starts = corpus.text_documents(data.path, data.pattern)
-    if vocab_size < (256 if data.kind == "text" else 0):
-        raise ValueError(f"byte-level text needs model.vocab_size >= 256, got {vocab_size}")
     if not 0 < data.eval_fraction < 1:
         raise ValueError(f"data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
     split = int(tokens.size * (1 - data.eval_fraction))
@@ -117,6 +144,17 @@ def make_sources(data, vocab_size: int):
         train_docs = eval_docs = {"separator": separator}
     return (TextSource(tokens[:split], data.seq_len, "the training split", **train_docs),
             TextSource(tokens[split:], data.seq_len, "the eval split", **eval_docs))
+
+
+def _prepared_sources(data, pack: bool, separator: int):
+    """``(train, validation)`` sources of the prepared corpus directory ``data.path``."""
+    directory = pathlib.Path(data.path)
+    if pack and separator == -1:
+        separator = corpus.corpus_info(directory)["tokenizer"]["eod_id"]
+    docs = {"separator": separator} if pack else {}
+    return tuple(TextSource(corpus.load_tokens(directory / f"{split}.npy"), data.seq_len,
+                            f"the {split} split of {directory}", **docs)
+                 for split in corpus.SPLITS)
 
 
 def rows_for_process(batch_size: int, accum: int = 1, process_index: int = 0,

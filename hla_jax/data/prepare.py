@@ -1,58 +1,322 @@
-"""Write a pre-tokenized corpus: text files or folders -> one ``.npy`` token memmap.
+"""Prepare a corpus for training: documents -> tokens -> one directory.
 
-    python -m hla_jax.data.prepare --output=/data/corpus.npy --pattern='*.txt' /data/text_dir
+    python -m hla_jax.data.prepare --output=DIR [--tokenizer=bytes|bpe|FILE] INPUT [INPUT ...]
 
-Tokens are bytes (the byte tokenizer) stored as uint16 (uint32 with ``--vocab_size`` > 65536),
-streamed file by file into ``np.lib.format.open_memmap`` so the corpus never sits in memory.
-``--separator=ID`` appends token ``ID`` after every file (e.g. ``--separator=256
---vocab_size=257``), so the memmap keeps its document boundaries for packing.
-Train with ``--config.data.kind=tokens --config.data.path=/data/corpus.npy`` and either
-``--config.data.separator=ID`` (packed documents) or ``--config.data.pack=False``.
+Each INPUT is a text file (one document), a folder (its files matching ``--pattern``, searched
+recursively), a JSON-lines file ``*.jsonl`` / ``*.json`` (``.gz`` too; one document per line,
+its ``--field``), a Parquet file ``*.parquet`` (one document per row of column ``--field``) or
+``hf:NAME``, a ``datasets`` dataset (column ``--field`` of split ``--hf_split``): a folder written
+by ``save_to_disk``, a local data file, or a dataset of the Hugging Face hub (streamed). Files in
+folders follow the same suffix rules; text is read as UTF-8 (invalid bytes become U+FFFD) and
+empty documents are skipped.
+
+Documents stream through in batches of about ``--batch_bytes`` (the corpus never sits in memory),
+are tokenized in parallel (``encode_batch``, overlapped with reading and writing) and each is
+followed by the tokenizer's end-of-document id. Each document goes to the validation split with
+probability ``--validation_fraction`` (one draw per document from a generator seeded by
+``--seed``, so the split is reproducible). ``DIR`` receives ``train.npy`` and ``validation.npy``
+(token memmaps, uint8 / uint16 / uint32 by the vocabulary), the tokenizer and, last,
+``corpus.json``: the sources, documents / tokens / bytes per split, the tokenizer and the split
+settings.
+
+``--tokenizer``: ``bytes`` (UTF-8 bytes, id 256 ends a document: vocabulary 257), ``bpe`` (a
+byte-level BPE of ``--vocab_size`` ids, trained first on at most ``--bpe_bytes`` of the training
+documents: one more pass over the inputs), a Hugging Face ``tokenizer.json`` (``--eod_token``
+names its end-of-document token when it has none of the usual ones) or a sentencepiece ``.model``.
+Train with ``--config.data.kind=tokens --config.data.path=DIR --config.model.vocab_size=0``.
 """
 
+import concurrent.futures
+import functools
+import gzip
+import json
 import pathlib
+import struct
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
-from absl import app, flags, logging
+import tqdm
+from absl import app, flags
 
-from hla_jax.data.corpus import text_files, token_dtype
+from hla_jax.data.corpus import CORPUS_JSON, SPLITS, text_files, token_dtype
+from hla_jax.data.tokenizers import load_tokenizer, optional_import, train_bpe
 
-_OUTPUT = flags.DEFINE_string("output", None, "Path of the .npy file to write.", required=True)
+_OUTPUT = flags.DEFINE_string("output", None, "Directory to write (new or empty).", required=True)
+_TOKENIZER = flags.DEFINE_string("tokenizer", "bytes", "bytes | bpe | a tokenizer.json | a "
+                                 "sentencepiece .model")
+_VOCAB = flags.DEFINE_integer("vocab_size", 32_000, "Vocabulary of the trained BPE (--tokenizer=bpe).")
+_BPE_BYTES = flags.DEFINE_integer("bpe_bytes", 2**30, "Train the BPE on at most this many bytes "
+                                  "of training documents.")
+_EOD = flags.DEFINE_string("eod_token", None, "End-of-document token of a tokenizer.json "
+                           "(default: the first of hla_jax.data.tokenizers.EOD_TOKENS it has).")
 _PATTERN = flags.DEFINE_string("pattern", "*.txt", "Glob for files inside input folders.")
-_VOCAB = flags.DEFINE_integer("vocab_size", 256, "Vocabulary size (chooses uint16/uint32).")
-_SEPARATOR = flags.DEFINE_integer("separator", -1, "Token id written after every file (-1: none).")
+_FIELD = flags.DEFINE_string("field", "text", "JSONL field, Parquet or datasets column of the text.")
+_HF_CONFIG = flags.DEFINE_string("hf_config", None, "Configuration of hf:NAME hub datasets.")
+_HF_SPLIT = flags.DEFINE_string("hf_split", "train", "Split of hf:NAME datasets.")
+_VALIDATION = flags.DEFINE_float("validation_fraction", 0.01, "Probability that a document goes "
+                                 "to the validation split, in (0, 1).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the document split.")
+_BATCH_BYTES = flags.DEFINE_integer("batch_bytes", 2**22, "Text per tokenizer batch (bytes).")
 
 
-def write_tokens(paths, output, pattern: str = "*.txt", vocab_size: int = 256,
-                 separator: int = -1) -> np.ndarray:
-    """Byte-tokenize ``paths`` (files or folders) into the memmap ``output``, each file followed by
-    ``separator`` unless it is -1; returns the memmap."""
-    if separator != -1 and not 0 <= separator < vocab_size:
-        raise ValueError(f"separator must be a token id in [0, vocab_size={vocab_size}) or -1, "
-                         f"got {separator}")
-    files = text_files(paths, pattern)
-    sizes = [f.stat().st_size for f in files]
-    n_sep = int(separator != -1)  # one separator per file
+def _format(path: pathlib.Path) -> str:
+    """``jsonl``, ``parquet`` or ``text``, by suffix (``.gz`` aside)."""
+    name = path.name.removesuffix(".gz")
+    if name.endswith((".jsonl", ".json")):
+        return "jsonl"
+    return "parquet" if name.endswith(".parquet") else "text"
+
+
+def _field(record, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"--field={field!r}: {where} has no such field ({keys})")
+    if not isinstance(record[field], str | None):
+        raise ValueError(f"--field={field!r}: {where} holds a {type(record[field]).__name__}, "
+                         f"not text")
+    return record[field] or ""
+
+
+def read_file(path: pathlib.Path, field: str = "text"):
+    """The documents (strings) of one file, by its format (``_format``)."""
+    kind = _format(path)
+    if kind == "text":
+        yield path.read_text(encoding="utf-8", errors="replace")
+    elif kind == "jsonl":
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{line_no} is not a JSON line ({e})") from e
+                    yield _field(record, field, f"{path}:{line_no}")
+    else:
+        parquet = optional_import("pyarrow.parquet")
+        table = parquet.ParquetFile(path)
+        schema = table.schema_arrow
+        if field not in schema.names or not str(schema.field(field).type).endswith("string"):
+            raise ValueError(f"--field={field!r}: {path} has no such text column ({schema})")
+        for batch in table.iter_batches(columns=[field], batch_size=1024):
+            yield from (text or "" for text in batch.column(0).to_pylist())
+
+
+def read_dataset(name: str, field: str = "text", config: str | None = None,
+                 split: str = "train"):
+    """The documents of a ``datasets`` dataset: a ``save_to_disk`` folder, a local data file
+    (loaded by the builder of its format) or a hub dataset (streamed)."""
+    datasets = optional_import("datasets")
+    path = pathlib.Path(name)
+    if path.is_dir():
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"--hf_split={split!r}: {name} has splits {sorted(ds)}")
+            ds = ds[split]
+    elif path.is_file():
+        builder = {"jsonl": "json", "parquet": "parquet", "text": "text"}[_format(path)]
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+    else:
+        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+    for batch in ds.iter(batch_size=1000):
+        if field not in batch:
+            raise ValueError(f"--field={field!r}: hf:{name} has no such column ({sorted(batch)})")
+        yield from (text or "" for text in batch[field])
+
+
+class Source(NamedTuple):
+    """One INPUT: ``record`` describes it in ``corpus.json``, ``read()`` iterates over its
+    documents (again on each call), ``size`` is its files' size in bytes (None: not files)."""
+    record: dict
+    read: Callable
+    size: int | None
+
+
+def open_sources(inputs, pattern: str = "*.txt", field: str = "text",
+                 hf_config: str | None = None, hf_split: str = "train") -> list[Source]:
+    """A ``Source`` per INPUT (module docstring); ValueError on a missing input."""
+    out = []
+    for spec in map(str, inputs):
+        if spec.startswith("hf:"):
+            out.append(Source({"input": spec, "format": "datasets"},
+                              functools.partial(read_dataset, spec[3:], field, hf_config, hf_split),
+                              None))
+        else:
+            files = text_files([spec], pattern, what="INPUT")
+            record = {"input": spec, "format": "+".join(sorted({_format(f) for f in files})),
+                      "files": len(files)}
+            out.append(Source(record, functools.partial(_read_files, files, field),
+                              sum(f.stat().st_size for f in files)))
+    return out
+
+
+def _read_files(files, field: str):
+    for f in files:
+        yield from read_file(f, field)
+
+
+def batches(sources, fraction: float, seed: int, batch_bytes: int):
+    """``(source, texts, sizes, validation)`` per batch of about ``batch_bytes`` of non-empty
+    documents in input order: each document's source index, text, UTF-8 size and split (True:
+    validation; one draw per document from ``default_rng(seed)``, independent of the batching)."""
+    rng = np.random.default_rng(seed)
+
+    def batch(items):
+        index, texts, sizes = zip(*items)
+        return np.array(index), list(texts), np.array(sizes), rng.random(len(items)) < fraction
+
+    items, size = [], 0
+    for i, source in enumerate(sources):
+        for text in source.read():
+            if text:
+                items.append((i, text, len(text.encode("utf-8"))))
+                size += items[-1][2]
+                if size >= batch_bytes:
+                    yield batch(items)
+                    items, size = [], 0
+    if items:
+        yield batch(items)
+
+
+class TokenWriter:
+    """Appends ids to a 1-D ``.npy`` whose length is known only at the end: its version 1.0
+    header has a fixed size, ``HEADER`` bytes, and is written again with the final count by
+    ``close``."""
+
+    HEADER = 128
+
+    def __init__(self, path, dtype):
+        self.dtype, self.count = np.dtype(dtype), 0
+        self.file = open(path, "wb")
+        self.file.write(self._header())
+
+    def _header(self) -> bytes:
+        text = repr({"descr": self.dtype.str, "fortran_order": False, "shape": (self.count,)})
+        body = text.encode("latin1").ljust(self.HEADER - 11) + b"\n"
+        return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body
+
+    def append(self, ids: np.ndarray):
+        ids.astype(self.dtype, copy=False).tofile(self.file)
+        self.count += ids.size
+
+    def close(self):
+        self.file.seek(0)
+        self.file.write(self._header())
+        self.file.close()
+
+
+def _progress(sources, desc: str, enabled: bool):
+    """A tqdm bar over document bytes (MB/s); its total is the files' size when all are text."""
+    text_only = all(s.record["format"] == "text" for s in sources)
+    total = sum(s.size for s in sources) if text_only else None
+    return tqdm.tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc,
+                     disable=not enabled, dynamic_ncols=True)
+
+
+def _bpe_texts(sources, fraction, seed, batch_bytes, limit, bar):
+    """Batches of training documents (the same split as the encoding pass) up to ``limit`` bytes."""
+    seen = 0
+    for _, texts, sizes, validation in batches(sources, fraction, seed, batch_bytes):
+        train = np.flatnonzero(~validation)
+        yield [texts[k] for k in train]
+        seen += int(sizes[train].sum())
+        bar.update(int(sizes.sum()))
+        if seen >= limit:
+            return
+
+
+def prepare(inputs, output, tokenizer: str = "bytes", *, vocab_size: int = 32_000,
+            bpe_bytes: int = 2**30, eod_token: str | None = None, pattern: str = "*.txt",
+            field: str = "text", hf_config: str | None = None, hf_split: str = "train",
+            validation_fraction: float = 0.01, seed: int = 0, batch_bytes: int = 2**22,
+            progress: bool = True) -> dict:
+    """Write the prepared corpus of ``inputs`` into the directory ``output`` (module docstring);
+    returns its ``corpus.json``. ValueError naming the flag on a bad setting."""
+    if not inputs:
+        raise ValueError("give at least one INPUT (a file, a folder or hf:NAME)")
+    if not 0 < validation_fraction < 1:
+        raise ValueError(f"--validation_fraction must be in (0, 1), got {validation_fraction}")
+    if batch_bytes < 1 or bpe_bytes < 1:
+        raise ValueError(f"--batch_bytes and --bpe_bytes must be positive, got {batch_bytes}, "
+                         f"{bpe_bytes}")
     output = pathlib.Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tokens = np.lib.format.open_memmap(output, mode="w+", dtype=token_dtype(vocab_size),
-                                       shape=(sum(sizes) + n_sep * len(files),))
-    start = 0
-    for f, n in zip(files, sizes):
-        tokens[start:start + n] = np.frombuffer(f.read_bytes(), np.uint8)
-        start += n
-        if n_sep:
-            tokens[start] = separator
-            start += 1
-    tokens.flush()
-    return tokens
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ValueError(f"--output={output} exists and is not an empty directory")
+    sources = open_sources(inputs, pattern, field, hf_config, hf_split)
+    split_args = (sources, validation_fraction, seed, batch_bytes)
+    if tokenizer == "bpe":
+        output.mkdir(parents=True, exist_ok=True)
+        with _progress(sources, "BPE training pass", progress) as bar:
+            tok = train_bpe(_bpe_texts(*split_args, bpe_bytes, bar), vocab_size,
+                            output / "tokenizer.json")
+    else:
+        tok = load_tokenizer("bytes+eod" if tokenizer == "bytes" else tokenizer, eod=eod_token)
+        if tok.eod_id is None:
+            raise ValueError(f"--tokenizer={tokenizer} has no end-of-document token: name one "
+                             f"of its tokens with --eod_token")
+        output.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tok.vocab_size)
+    writers = {s: TokenWriter(output / f"{s}.npy", dtype) for s in SPLITS}
+    stats = {s: {"documents": 0, "tokens": 0, "bytes": 0} for s in SPLITS}
+    records = [dict(s.record, documents=0, bytes=0) for s in sources]
+    eod = np.array([tok.eod_id], np.int32)
+
+    def write(batch, encoded):
+        source, _, sizes, validation = batch
+        ids = encoded.result()
+        for split, docs in zip(SPLITS, (np.flatnonzero(~validation), np.flatnonzero(validation))):
+            if docs.size:
+                tokens = np.concatenate([x for k in docs for x in (ids[k], eod)])
+                writers[split].append(tokens)
+                stats[split]["documents"] += docs.size
+                stats[split]["tokens"] += tokens.size
+                stats[split]["bytes"] += int(sizes[docs].sum())
+        for i, n in zip(source, sizes):
+            records[i]["documents"] += 1
+            records[i]["bytes"] += int(n)
+        bar.update(int(sizes.sum()))
+
+    # one encoding thread: batch k is tokenized (in parallel, without the GIL) while batch k+1
+    # is read and batch k-1 written
+    with (_progress(sources, f"tokenizing ({tok.name})", progress) as bar,
+          concurrent.futures.ThreadPoolExecutor(1) as pool):
+        pending = None
+        for batch in batches(*split_args):
+            encoded = pool.submit(tok.encode_batch, batch[1])
+            if pending:
+                write(*pending)
+            pending = batch, encoded
+        if pending:
+            write(*pending)
+    for w in writers.values():
+        w.close()
+    for split in SPLITS:
+        if not stats[split]["documents"]:
+            raise ValueError(f"--validation_fraction={validation_fraction} (--seed={seed}) left "
+                             f"the {split} split without documents out of "
+                             f"{sum(s['documents'] for s in stats.values())}: change it or add data")
+    info = {"sources": records, "tokenizer": tok.save(output), "dtype": dtype.name,
+            "splits": stats, "validation_fraction": validation_fraction, "seed": seed,
+            "pattern": pattern, "field": field}
+    (output / CORPUS_JSON).write_text(json.dumps(info, indent=2) + "\n")
+    return info
 
 
 def main(argv):
-    if len(argv) < 2:
-        raise app.UsageError("give at least one input file or folder")
-    tokens = write_tokens(argv[1:], _OUTPUT.value, _PATTERN.value, _VOCAB.value, _SEPARATOR.value)
-    logging.info("wrote %d tokens (%s) to %s", tokens.size, tokens.dtype, _OUTPUT.value)
+    try:
+        info = prepare(argv[1:], _OUTPUT.value, _TOKENIZER.value, vocab_size=_VOCAB.value,
+                       bpe_bytes=_BPE_BYTES.value, eod_token=_EOD.value, pattern=_PATTERN.value,
+                       field=_FIELD.value, hf_config=_HF_CONFIG.value, hf_split=_HF_SPLIT.value,
+                       validation_fraction=_VALIDATION.value, seed=_SEED.value,
+                       batch_bytes=_BATCH_BYTES.value)
+    except (ValueError, ImportError) as e:
+        sys.exit(f"prepare: {e}")
+    tok = info["tokenizer"]
+    print(f"{_OUTPUT.value}: vocab_size {tok['vocab_size']}, eod_id {tok['eod_id']}, {info['dtype']}")
+    for split, s in info["splits"].items():
+        print(f"  {split}: {s['documents']} documents, {s['tokens']} tokens, {s['bytes']} bytes")
 
 
 if __name__ == "__main__":

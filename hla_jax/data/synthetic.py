@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hla_jax.data.tokenizer import ByteTokenizer
+from hla_jax.data.tokenizers import ByteTokenizer
 
 
 class MQAR:

@@ -5,11 +5,11 @@
 
 from hla_jax.nn.config import MIXERS, ModelConfig
 from hla_jax.nn.flops import flops_per_token, forward_flops_per_token, mixer_core_flops
-from hla_jax.nn.generate import generate
+from hla_jax.nn.generate import generate, generate_stream
 from hla_jax.nn.lm import LM, Block, param_count
 from hla_jax.nn.mixers import MIXER_CLASSES
 
 __all__ = [
-    "MIXERS", "MIXER_CLASSES", "ModelConfig", "LM", "Block", "generate", "param_count",
-    "flops_per_token", "forward_flops_per_token", "mixer_core_flops",
+    "MIXERS", "MIXER_CLASSES", "ModelConfig", "LM", "Block", "generate", "generate_stream",
+    "param_count", "flops_per_token", "forward_flops_per_token", "mixer_core_flops",
 ]

@@ -7,6 +7,7 @@ import pathlib
 
 import ml_collections
 
+from hla_jax.data import data_vocab_size
 from hla_jax.nn import MIXERS, ModelConfig
 
 
@@ -16,7 +17,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0                      # parameter init seed; data seeds are data.seed
     # model: the fields of hla_jax.nn.ModelConfig (one decoder-only LM)
     c.model = ml_collections.ConfigDict(dict(
-        vocab_size=256,             # token ids in [0, vocab_size); 256 = bytes
+        vocab_size=256,             # token ids in [0, vocab_size); 256 = bytes; 0 = the data's
+                                    # (its tokenizer's; check_config writes it in)
         d_model=128,                # residual width; = n_heads * head_dim
         n_layers=2,                 # blocks (mixer + SwiGLU MLP, pre-RMSNorm)
         n_heads=2,                  # heads per mixer
@@ -40,18 +42,21 @@ def base_config() -> ml_collections.ConfigDict:
         hla_conv=True,              # short conv on q, k, v in linear/HLA mixers (as SSM mixers)
     ))
     c.data = ml_collections.ConfigDict(dict(
-        kind="text",                # text (bytes of files) | tokens (.npy memmap) | mqar | niah
+        kind="text",                # text (bytes of files) | tokens (prepared corpus) | mqar | niah
         path="",                    # text: file/folder/comma list ("" = Python stdlib sources);
-                                    # tokens: the .npy from `python -m hla_jax.data.prepare`
+                                    # tokens: the directory `python -m hla_jax.data.prepare` wrote
+                                    # (or a bare .npy token memmap)
         pattern="*.txt",            # glob for files inside folders named by path (kind=text)
         seq_len=256,                # tokens per example (T)
         batch_size=8,               # global examples per optimizer step (all hosts, all micro-batches)
         seed=0,                     # data seed: batch `step` row `r` = rng([seed, split, step, r])
-        eval_fraction=0.01,         # tail of the text/tokens corpus held out for eval
+        eval_fraction=0.01,         # tail of a text corpus / bare memmap held out for eval
+                                    # (a prepared corpus has its validation split)
         pack=False,                 # packed documents (text/tokens): segment_ids per row, no
                                     # attention/state/conv across documents, no loss on a
                                     # document's first token (hla_jax/data/pipeline.py)
-        separator=-1,               # tokens + pack: the id that ends each document (-1 = none)
+        separator=-1,               # tokens + pack: the id that ends each document (-1 = the
+                                    # tokenizer's end-of-document id)
         mqar=dict(num_kv_pairs=16,  # MQAR: key-value pairs per example (seq_len >= 4 * pairs)
                   power_a=0.01),    # MQAR: query gap distribution p(i) ∝ i^(power_a - 1)
         niah=dict(n_digits=5),      # NIAH: digits of the magic number
@@ -74,7 +79,11 @@ def base_config() -> ml_collections.ConfigDict:
         checkpoint_every=200,       # save period (0 = only at the end)
         keep_checkpoints=2,         # newest checkpoints kept
         async_checkpoint=True,      # write checkpoints in the background
-        sample_tokens=128,          # bytes sampled at eval time (text/tokens data; 0 = off)
+        nan_policy="stop",          # non-finite loss/grad norm: "stop" the run, or "skip" the
+                                    # update (parameters and optimizer state unchanged)
+        max_bad_steps=10,           # nan_policy=skip: stop after this many consecutive skips
+        sample_tokens=128,          # tokens sampled at eval time, decoded by the data's
+                                    # tokenizer (text/tokens data; 0 = off)
         sample_prompt=64,           # prompt length taken from an eval example
         sample_temperature=0.8,     # sampling temperature (0 = greedy)
         peak_flops=0.0,             # peak FLOP/s per device for MFU (0 = table by device kind)
@@ -87,6 +96,9 @@ def base_config() -> ml_collections.ConfigDict:
                                     # divisible by it; recurrent mixers need model.impl
                                     # chunked|auto)
         multihost=False,            # call jax.distributed.initialize() (multi-host pods)
+        coordinator="",             # multihost: "host:port" of process 0 ("" = auto-detected)
+        num_processes=0,            # multihost: processes in all (0 = auto-detected)
+        process_id=-1,              # multihost: this process's id (-1 = auto-detected)
         rules=(("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv", None),
                ("mlp", "tensor"), ("levels", None), ("conv", None)),  # logical -> mesh axis
     ))
@@ -135,7 +147,13 @@ def check_config(c, batch_shards: int = 1, process_count: int = 1,
                  sequence_shards: int = 1) -> ModelConfig:
     """Validate ``c`` (ValueError naming the field); returns the ModelConfig.
     ``batch_shards`` = devices splitting the batch (mesh data × fsdp); ``sequence_shards`` =
-    devices splitting the time axis (mesh sequence: the ModelConfig gets ``seq_axis``)."""
+    devices splitting the time axis (mesh sequence: the ModelConfig gets ``seq_axis``).
+    ``model.vocab_size=0`` is replaced in ``c`` by the data's vocabulary (``data_vocab_size``)."""
+    if c.model.vocab_size == 0:
+        vocab = data_vocab_size(c.data)
+        _require(vocab is not None, f"model.vocab_size=0 takes the data's vocabulary; "
+                 f"data.kind={c.data.kind!r} has none: give model.vocab_size")
+        c.model.vocab_size = vocab
     model = ModelConfig.from_dict(c.model)
     if sequence_shards > 1:
         _require(c.data.seq_len % sequence_shards == 0,
@@ -157,6 +175,9 @@ def check_config(c, batch_shards: int = 1, process_count: int = 1,
     for name in ("eval_every", "eval_steps", "checkpoint_every", "sample_tokens", "sample_prompt"):
         _require(t[name] >= 0, f"train.{name} must be >= 0, got {t[name]}")
     _require(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
+    _require(t.nan_policy in ("stop", "skip"),
+             f"train.nan_policy must be 'stop' or 'skip', got {t.nan_policy!r}")
+    _require(t.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {t.max_bad_steps}")
     _require(d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}")
     micro, split = divmod(d.batch_size, o.grad_accum)
     _require(split == 0 and micro % batch_shards == 0 and micro % process_count == 0,
@@ -169,5 +190,7 @@ def check_config(c, batch_shards: int = 1, process_count: int = 1,
     if d.kind in ("text", "tokens") and d.path:
         for p in str(d.path).split(","):
             _require(pathlib.Path(p).exists(), f"data.path: {p} does not exist")
-    _require(d.kind != "tokens" or bool(d.path), "data.kind=tokens needs data.path (a .npy file)")
+    _require(d.kind != "tokens" or bool(d.path),
+             "data.kind=tokens needs data.path (a directory written by python -m "
+             "hla_jax.data.prepare)")
     return model

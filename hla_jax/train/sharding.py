@@ -25,9 +25,20 @@ DEFAULT_RULES = (("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("
 
 
 def maybe_initialize_distributed(mesh_cfg):
-    """``jax.distributed.initialize()`` (cluster auto-detected) when ``mesh.multihost`` is set."""
-    if mesh_cfg.multihost and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+    """``jax.distributed.initialize`` when ``mesh.multihost`` is set: the coordinator, process
+    count and process id from ``mesh.coordinator``, ``num_processes``, ``process_id`` where given
+    (``hla_jax.launch`` gives them), else auto-detected from the cluster's environment. CPU
+    devices of different processes exchange through gloo."""
+    if not mesh_cfg.multihost or jax.distributed.is_initialized():
+        return
+    n, i = mesh_cfg.num_processes, mesh_cfg.process_id
+    if n < 0 or i < -1 or (n and i >= n):
+        raise ValueError(f"mesh.num_processes={n}, mesh.process_id={i}: need num_processes >= 0 "
+                         f"(0 = auto-detected) and -1 <= process_id < num_processes (-1 = "
+                         f"auto-detected)")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(mesh_cfg.coordinator or None, mesh_cfg.num_processes or None,
+                               None if mesh_cfg.process_id < 0 else mesh_cfg.process_id)
 
 
 def mesh_shape(mesh_cfg, n_devices: int) -> tuple:
@@ -107,8 +118,27 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, P(None, BATCH_AXES, "sequence"))
 
 
+def batch_block(mesh) -> dict:
+    """``{"process_index": i, "process_count": n}`` for ``DataIterator``: the rows of a global
+    batch split into ``n`` equal blocks and this process addresses block ``i`` (processes that
+    split only the time axis or the parameters share a block and load the same rows).
+    ValueError when the processes' batch shards are not such blocks."""
+    shards = mesh.devices.reshape(batch_size_per_shard(mesh), -1)  # [data*fsdp, sequence*tensor]
+    held = [[s for s, devs in enumerate(shards) if any(d.process_index == p for d in devs)]
+            for p in range(jax.process_count())]
+    size = len(held[jax.process_index()])
+    for p, h in enumerate(held):
+        if not h or h != list(range(h[0], h[0] + size)) or h[0] % size:
+            raise ValueError(f"mesh {describe(mesh)}: process {p} holds the batch shards {h}, "
+                             f"not an aligned block of {size}; order the mesh axes so that each "
+                             f"process's devices hold consecutive data x fsdp shards")
+    return {"process_index": held[jax.process_index()][0] // size,
+            "process_count": len(shards) // size}
+
+
 def global_batch(local: dict, mesh, global_rows: int) -> dict:
-    """This host's rows ``[accum, b/hosts, T]`` -> global arrays ``[accum, b, T]`` on the mesh."""
+    """This process's rows ``[accum, b/blocks, T]`` (``batch_block``) -> global arrays
+    ``[accum, b, T]`` on the mesh (each device takes its part of the time axis)."""
     sharding = batch_sharding(mesh)
     return {k: jax.make_array_from_process_local_data(
         sharding, v, (v.shape[0], global_rows) + v.shape[2:]) for k, v in local.items()}

@@ -46,13 +46,15 @@ def loss_fn(params, graphdef, rest, batch):
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation):
+def make_train_step(graphdef, tx: optax.GradientTransformation, skip_nonfinite: bool = False):
     """``(params, opt_state, rest, batch, update_scale=None) -> (params, opt_state, metrics)``.
 
     Scans over the ``accum`` micro-batches; with ``optax.MultiSteps`` the parameters change only
     after the last one (mean gradient). ``metrics``: mean loss and mean micro-batch grad norm.
     ``update_scale`` (a scalar, may be traced) multiplies ``tx``'s updates: a per-model peak
     learning rate when ``tx`` is built with peak 1 (``hla_jax.train.stacked``).
+    ``skip_nonfinite``: a step whose loss or gradient norm is not finite in any micro-batch
+    returns ``params`` and ``opt_state`` unchanged (``train.nan_policy="skip"``).
     """
     def train_step(params, opt_state, rest, batch, update_scale=None):
         def micro(carry, mb):
@@ -63,8 +65,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation):
                 updates = jax.tree.map(lambda u: update_scale * u, updates)
             return (optax.apply_updates(params, updates), opt_state), (loss, optax.tree.norm(grads))
 
-        (params, opt_state), (loss, gnorm) = jax.lax.scan(micro, (params, opt_state), batch)
-        return params, opt_state, {"loss": jnp.mean(loss), "grad_norm": jnp.mean(gnorm)}
+        new, (loss, gnorm) = jax.lax.scan(micro, (params, opt_state), batch)
+        if skip_nonfinite:
+            ok = jnp.all(jnp.isfinite(loss)) & jnp.all(jnp.isfinite(gnorm))
+            new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, (params, opt_state))
+        return *new, {"loss": jnp.mean(loss), "grad_norm": jnp.mean(gnorm)}
     return train_step
 
 

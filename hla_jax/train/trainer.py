@@ -4,13 +4,17 @@
     from configs import lm
     train_and_evaluate(lm.get_config("mixer=hla2,size=tiny"), "/tmp/run")
 
-Resumes from the newest checkpoint in ``workdir``; stops with FloatingPointError, without saving,
-when the loss or gradient norm stops being finite (the last good checkpoint stays).
+Resumes from the newest checkpoint in ``workdir`` that reads back whole (``Checkpointer``).
+When the loss or gradient norm stops being finite it stops with FloatingPointError, without
+saving (the last good checkpoint stays), or with ``train.nan_policy="skip"`` skips that update
+and stops only after ``train.max_bad_steps`` consecutive skips. A ``workdir`` that cannot be
+written is a ValueError before anything is built; a failed save a CheckpointError.
 """
 
 import json
 import math
 import pathlib
+import tempfile
 import time
 
 import jax
@@ -67,6 +71,17 @@ class Throughput:
         return {"tokens_per_s": tok_s, "mfu": mfu}
 
 
+def check_writable(workdir: pathlib.Path):
+    """ValueError naming ``workdir`` when its checkpoint folder cannot be created or written."""
+    try:
+        (workdir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir / "checkpoints"):
+            pass
+    except OSError as e:
+        raise ValueError(f"workdir {workdir} cannot be written ({e.strerror or e}): give a "
+                         f"--workdir on writable storage (all hosts must see it)") from e
+
+
 def _bar_postfix(m: dict) -> dict:
     mfu = "n/a" if m.get("mfu") is None else f"{100 * m['mfu']:.1f}%"
     return {"loss": f"{m['loss']:.4f}", "tok/s": f"{m['tokens_per_s']:.0f}", "mfu": mfu}
@@ -84,16 +99,16 @@ def evaluate(eval_step, params, rest, source, c, mesh, proc) -> dict:
     return {k: float(v) for k, v in eval_summary(sums).items()}
 
 
-def sample_text(graphdef, params, rest, source, c, step) -> dict:
-    """``{"prompt", "continuation"}``: bytes sampled after a prompt cut from the first eval
-    example (text/tokens data only)."""
+def sample_text(graphdef, params, rest, source, c, step, tokenizer) -> dict:
+    """``{"prompt", "continuation"}``: tokens sampled after a prompt cut from the first eval
+    example, decoded by ``tokenizer`` (the data's: ``data_lib.tokenizer_for_data``)."""
     first = data_lib.make_batch(source, c.data.seed, data_lib.EVAL, 0, [0])["inputs"]
     prompt = first[:, :c.train.sample_prompt]
     model = nnx.merge(graphdef, params, rest)
     out = generate(model, prompt, c.train.sample_tokens, temperature=c.train.sample_temperature,
                    rng=jax.random.key(step))
-    tok = data_lib.ByteTokenizer()
-    return {"prompt": tok.decode(prompt[0]), "continuation": tok.decode(np.asarray(out[0, prompt.shape[1]:]))}
+    return {"prompt": tokenizer.decode(prompt[0]),
+            "continuation": tokenizer.decode(np.asarray(out[0, prompt.shape[1]:]))}
 
 
 def train_and_evaluate(config, workdir) -> dict:
@@ -102,14 +117,15 @@ def train_and_evaluate(config, workdir) -> dict:
     c, workdir = config, pathlib.Path(workdir).absolute()
     sharding.maybe_initialize_distributed(c.mesh)
     mesh = sharding.make_mesh(c.mesh)
-    proc = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+    proc = sharding.batch_block(mesh)  # this process's block of the rows of every batch
     model_cfg = check_config(c, sharding.batch_size_per_shard(mesh), proc["process_count"],
                              sharding.sequence_shards(mesh))
+    check_writable(workdir)
     rules = tuple(tuple(r) for r in c.mesh.rules)
     train_src, eval_src = data_lib.make_sources(c.data, model_cfg.vocab_size)
     tx = make_optimizer(c.optim, c.train.num_steps)
     schedule = make_schedule(c.optim, c.train.num_steps)
-    lead = proc["process_index"] == 0
+    lead = jax.process_index() == 0
     writer = MetricWriter(workdir, enabled=lead, tensorboard=c.train.tensorboard)
     if lead:
         (workdir / "config.json").write_text(c.to_json_best_effort(indent=2))
@@ -121,7 +137,7 @@ def train_and_evaluate(config, workdir) -> dict:
         abstract = abstract_with_shardings({"params": params, "opt_state": opt_state},
                                            {"params": sh["params"], "opt_state": sh["opt_state"]})
         del params, opt_state
-        state, meta = ckpt.restore(ckpt.latest_step(), abstract)
+        state, meta = ckpt.restore_latest(abstract)
         params, opt_state = state["params"], state["opt_state"]
         start, position = meta["step"], meta["data_position"]
         writer.drop_after(start)
@@ -132,7 +148,8 @@ def train_and_evaluate(config, workdir) -> dict:
     batch_sh = sharding.batch_sharding(mesh)
     repl = sharding.replicated(mesh)
     train_step = sharding.on_mesh(jax.jit(
-        make_train_step(graphdef, tx), donate_argnums=(0, 1),
+        make_train_step(graphdef, tx, skip_nonfinite=c.train.nan_policy == "skip"),
+        donate_argnums=(0, 1),
         in_shardings=(sh["params"], sh["opt_state"], sh["rest"], batch_sh),
         out_shardings=(sh["params"], sh["opt_state"], repl)), mesh)
     eval_step = sharding.on_mesh(jax.jit(
@@ -146,30 +163,43 @@ def train_and_evaluate(config, workdir) -> dict:
     logging.info("model %s: %d params, %.3g train FLOPs/token at T=%d; mesh %s; %d tokens/step",
                  "+".join(model_cfg.mixer_pattern), param_count(nnx.merge(graphdef, params, rest)),
                  fpt, T, sharding.describe(mesh), c.data.batch_size * T)
-    texts = c.data.kind in ("text", "tokens") and model_cfg.vocab_size == 256 and c.train.sample_tokens > 0
+    samples = c.data.kind in ("text", "tokens") and c.train.sample_tokens > 0 and c.train.eval_steps > 0
+    tokenizer = data_lib.tokenizer_for_data(c.data) if samples else None
 
     bar = tqdm.tqdm(total=c.train.num_steps, initial=start, disable=not (lead and c.train.progress_bar),
                     dynamic_ncols=True, desc="train")
-    pending, last = [], {"step": start}
+    pending, last, bad_run = [], {"step": start}, 0  # bad_run: consecutive non-finite steps
 
     def flush(step):
-        """Fetch the metrics of the steps since the last flush; stop on a non-finite value."""
+        """Fetch the metrics of the steps since the last flush; on a non-finite value stop, or
+        (``nan_policy="skip"``: the step changed nothing) go on up to ``max_bad_steps`` in a row."""
+        nonlocal bad_run
         values = jax.device_get([m for _, m in pending])
-        for (s, _), m in zip(pending, values):
-            if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-                ckpt.wait()
-                bar.close()
-                writer.close()
-                good = ckpt.latest_step()
-                kept = (f"the last good checkpoint (step {good}) is kept in {ckpt.directory}"
-                        if good is not None else f"no checkpoint had been saved in {ckpt.directory}")
-                raise FloatingPointError(
-                    f"non-finite loss {float(m['loss'])} / grad norm {float(m['grad_norm'])} at "
-                    f"step {s}: stopped without saving; {kept}. Lower optim.learning_rate, "
-                    f"enable optim.clip_norm, check the data or the mixer's impl.")
-        out = {"loss": float(np.mean([m["loss"] for m in values])),
-               "grad_norm": float(np.mean([m["grad_norm"] for m in values])),
+        finite = [math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in values]
+        for (s, _), m, ok in zip(pending, values, finite):
+            bad_run = 0 if ok else bad_run + 1
+            what = f"non-finite loss {float(m['loss'])} / grad norm {float(m['grad_norm'])} at step {s}"
+            if ok or (c.train.nan_policy == "skip" and bad_run < c.train.max_bad_steps):
+                if not ok:
+                    logging.warning("%s: update skipped (%d in a row)", what, bad_run)
+                continue
+            ckpt.wait()
+            bar.close()
+            writer.close()
+            good = ckpt.latest_step()
+            kept = (f"the last good checkpoint (step {good}) is kept in {ckpt.directory}"
+                    if good is not None else f"no checkpoint had been saved in {ckpt.directory}")
+            in_a_row = (f" ({bad_run} in a row = train.max_bad_steps)"
+                        if c.train.nan_policy == "skip" else "")
+            raise FloatingPointError(
+                f"{what}{in_a_row}: stopped without saving; {kept}. Lower optim.learning_rate, "
+                f"enable optim.clip_norm, check the data or the mixer's impl.")
+        good_values = [m for m, ok in zip(values, finite) if ok]
+        mean = lambda k: float(np.mean([m[k] for m in good_values])) if good_values else math.nan
+        out = {"loss": mean("loss"), "grad_norm": mean("grad_norm"),
                "learning_rate": float(schedule(step - 1)), **meter.read()}
+        if len(good_values) < len(values):
+            out["skipped_steps"] = len(values) - len(good_values)
         pending.clear()
         writer.write(step, "train", out)
         bar.set_postfix(_bar_postfix(out))
@@ -194,8 +224,8 @@ def train_and_evaluate(config, workdir) -> dict:
             last["eval"] = evaluate(eval_step, params, rest, eval_src, c, mesh, proc)
             writer.write(step, "eval", last["eval"])
             logging.info("step %d eval %s", step, json.dumps(last["eval"]))
-            if texts:
-                last["sample"] = sample_text(graphdef, params, rest, eval_src, c, step)
+            if tokenizer is not None:
+                last["sample"] = sample_text(graphdef, params, rest, eval_src, c, step, tokenizer)
                 writer.write(step, "sample", last["sample"])
                 logging.info("step %d sample: %r -> %r", step, *last["sample"].values())
         if do_save:
