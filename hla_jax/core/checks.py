@@ -26,9 +26,10 @@ def check_impl(impl: str, allowed: Sequence[str], *, name: str = "operator") -> 
     return impl
 
 
-def check_chunk_size(chunk_size: int) -> int:
-    if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+def check_chunk_size(chunk_size: int, *, name: str = "operator") -> int:
+    if (not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool)
+            or chunk_size < 1):
+        raise ValueError(f"{name}: chunk_size must be a positive int, got {chunk_size!r}")
     return int(chunk_size)
 
 
@@ -39,6 +40,9 @@ def check_qkv(q, k, v, *, name: str = "operator"):
             shape = getattr(x, "shape", None)
             want = "[B,T,H,dv]" if arg == "v" else "[B,T,H,d]"
             raise ValueError(f"{name}: {arg} must have rank 4 {want}, got shape {shape}")
+    for arg, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name}: {arg} must be a floating-point array, got {x.dtype}")
     if q.shape != k.shape:
         raise ValueError(f"{name}: k must have the shape of q [B,T,H,d]={q.shape}, got {k.shape}")
     if v.shape[:3] != q.shape[:3]:
@@ -63,6 +67,8 @@ def check_gate(g, B: int, T: int, H: int, *, name: str = "operator", required: b
             raise ValueError(f"{name}: g (log-decay [B,T,H]) is required")
         return None
     g = jnp.asarray(g)
+    if not jnp.issubdtype(g.dtype, jnp.floating):
+        raise ValueError(f"{name}: g must be a floating-point log-decay, got {g.dtype}")
     if g.shape == (H,):
         g = jnp.broadcast_to(g, (B, T, H))
     elif g.shape != (B, T, H):
@@ -75,6 +81,8 @@ def check_gate(g, B: int, T: int, H: int, *, name: str = "operator", required: b
 def check_per_token(x, B: int, T: int, H: int, arg: str, *, name: str = "operator"):
     """Check a per-token per-head tensor such as ``beta: [B,T,H]``."""
     x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name}: {arg} must be a floating-point array, got {x.dtype}")
     if x.shape != (B, T, H):
         raise ValueError(f"{name}: {arg} must have shape [B,T,H]={(B, T, H)}, got {x.shape}")
     return x
@@ -99,6 +107,8 @@ def check_lam(lam, B, T, H, *, name, T_all=None):
     lam = jnp.asarray(lam)
     T_all = T if T_all is None else T_all
     need = fenwick.num_levels(T_all)
+    if not jnp.issubdtype(lam.dtype, jnp.floating):
+        raise ValueError(f"{name}: lam must be a floating-point array, got {lam.dtype}")
     if lam.ndim != 4 or lam.shape[:3] != (B, T, H):
         raise ValueError(f"{name}: lam must have shape [B,T,H,levels] with [B,T,H]={(B, T, H)}, "
                          f"got {lam.shape}")

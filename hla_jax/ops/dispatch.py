@@ -156,7 +156,7 @@ def check(name, q, k, v, g=None, beta=None, lam=None, *, impl, chunk_size, seq_a
         raise ValueError(f"{name}: impl={impl!r} is for mask='causal' only; mask={mask!r} takes "
                          f"{tuple(FORMS[op]) + ('auto',)}")
     sequence.check_impl(impl, seq_axis, name=name)
-    chunk_size = check_chunk_size(chunk_size)
+    chunk_size = check_chunk_size(chunk_size, name=name)
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name, required=name not in GATE_OPTIONAL)
     segment_ids = check_segment_ids(segment_ids, B, T, name=name)
