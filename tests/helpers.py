@@ -139,6 +139,20 @@ def compilation_cache_restored():
         compilation_cache.reset_cache()
 
 
+@contextlib.contextmanager
+def persistent_compilation_cache(path):
+    """Every program compiled in the block goes to (and comes from) JAX's persistent compilation
+    cache under ``path``; the settings are restored afterwards (``compilation_cache_restored``)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    with compilation_cache_restored():
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        compilation_cache.reset_cache()
+        yield
+
+
 def lower_for(platform: str, fn, *args) -> str:
     """StableHLO text of ``jax.jit(fn)`` lowered for ``platform`` ("cuda" | "tpu") on this CPU-only
     machine: Pallas kernels go through their real Triton (H200, sm_90) or Mosaic TPU lowering, so

@@ -7,11 +7,9 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
-from helpers import ROOT, compilation_cache_restored, tiny_lm_config, tiny_lm_flags, write_docs
-from jax.experimental.compilation_cache import compilation_cache
+from helpers import ROOT, persistent_compilation_cache, tiny_lm_config, tiny_lm_flags, write_docs
 
 from hla_jax import launch
 from hla_jax.train import read_metrics, train_and_evaluate
@@ -24,11 +22,7 @@ def losses(workdir):
 @pytest.fixture(scope="module", autouse=True)
 def compile_cache(tmp_path_factory):
     """A persistent compilation cache for this module's one-process runs (restored afterwards)."""
-    with compilation_cache_restored():
-        jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        compilation_cache.reset_cache()
+    with persistent_compilation_cache(tmp_path_factory.mktemp("jax_cache")):
         yield
 
 

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import compilation_cache_restored
-from jax.experimental.compilation_cache import compilation_cache
+from helpers import persistent_compilation_cache
 from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
@@ -215,11 +214,7 @@ def test_generate_until_stops_at_the_stop_string(run):
 
 
 def test_sample_streams_and_the_command_line_prints_the_same(workdir, run, tmp_path):
-    with compilation_cache_restored():  # the command line below reads what this compiles
-        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        compilation_cache.reset_cache()
+    with persistent_compilation_cache(tmp_path):  # the command line below reads what this compiles
         pieces = []
         (text,) = sample_lib.sample(run, ["def f1(x):"], 6, 0.0, 0, 1.0, 0, True, pieces.append)
     assert "".join(pieces) == f"def f1(x):{text}\n" and len(pieces) > 3  # streamed

@@ -9,12 +9,10 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import compilation_cache_restored, devices_env
-from jax.experimental.compilation_cache import compilation_cache
+from helpers import devices_env, persistent_compilation_cache
 
 from hla_jax import data
 from hla_jax.nn import LM, ModelConfig, param_count
@@ -37,11 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def compile_cache(tmp_path_factory):
     """A persistent compilation cache for this module: repeated runs of one config (resume)
     compile once. Restored afterwards."""
-    with compilation_cache_restored():
-        jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        compilation_cache.reset_cache()
+    with persistent_compilation_cache(tmp_path_factory.mktemp("jax_cache")):
         yield
 
 
