@@ -9,8 +9,10 @@ standard library sources, about 30 MB in some 1,700 files) copied into a tempora
 document per file. Timed, each the median of ``--repeats`` runs of ``prepare`` into a fresh
 directory: ``bytes``; ``bpe`` (``--tokenizer=bpe``: the BPE training pass, then the encoding
 pass); and the encoding pass alone (``--tokenizer`` = the trained ``tokenizer.json``), the
-figure the 10 MB/s target is about. A last row times the tokenizer library by itself:
-``encode_batch`` over the texts already in memory. Wall MB/s and MB per CPU second (user + system time of all
+figure the 10 MB/s target is about. Two last rows time the encoder by itself over the texts
+already in memory: ``HFTokenizer.encode_batch`` (a byte-level BPE encodes through its tiktoken
+twin, ``hla_jax.data.tokenizers.tiktoken_twin``, with the same ids) and the ``tokenizers``
+library's own ``encode_batch``. Wall MB/s and MB per CPU second (user + system time of all
 threads) are both reported: other work on the machine (the load average before and after is
 recorded) lowers the first, much less the second, and an idle machine of ``n`` cores reaches at
 most ``n`` times the second. Results: ``experiments/results/bench_prepare_cpu.json`` and
@@ -66,14 +68,21 @@ def timed(corpus, out, repeats: int, **kw) -> tuple[float, float, dict]:
     return statistics.median(wall), statistics.median(cpu), info
 
 
-def library_alone(corpus, tokenizer_file, batch: int = 200) -> tuple[float, float, int, int]:
-    """Wall and CPU seconds of ``encode_batch`` over the corpus's texts, already in memory (no
-    reading, splitting or writing: the tokenizer library's own cost), its text bytes and tokens."""
+def library_alone(corpus, tokenizer_file, library: bool,
+                  batch: int = 200) -> tuple[float, float, int, int]:
+    """Wall and CPU seconds of encoding the corpus's texts, already in memory (no reading,
+    splitting or writing), its text bytes and tokens: through ``HFTokenizer.encode_batch`` (its
+    tiktoken twin), or with ``library`` through the ``tokenizers`` library's ``encode_batch``."""
     tok = load_tokenizer(tokenizer_file)
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in sorted(corpus.rglob("*.py"))]
+
+    def encode(chunk):
+        if library:
+            return [e.ids for e in tok.tokenizer.encode_batch_fast(chunk, add_special_tokens=False)]
+        return tok.encode_batch(chunk)
+
     start, start_cpu = time.perf_counter(), cpu_seconds()
-    tokens = sum(ids.size for i in range(0, len(texts), batch)
-                 for ids in tok.encode_batch(texts[i:i + batch]))
+    tokens = sum(len(ids) for i in range(0, len(texts), batch) for ids in encode(texts[i:i + batch]))
     seconds, cpu = time.perf_counter() - start, cpu_seconds() - start_cpu
     return seconds, cpu, sum(len(t.encode("utf-8")) for t in texts), tokens
 
@@ -106,8 +115,11 @@ def main(argv=None):
                             sum(s["bytes"] for s in info["splits"].values()),
                             sum(s["tokens"] for s in info["splits"].values())))
             print(f"{label}: {seconds:.1f} s, {rows[-1]['mb_per_s']:.1f} MB/s", flush=True)
-        rows.append(row("library", f"{bpe}: encode_batch alone (texts in memory)",
-                        *library_alone(tmp / "corpus", tmp / "bpe" / "tokenizer.json")))
+        for name, label, library in (("fast", "encode_batch alone (tiktoken twin)", False),
+                                     ("library", "tokenizers' encode_batch alone", True)):
+            rows.append(row(name, f"{bpe}: {label}, texts in memory",
+                            *library_alone(tmp / "corpus", tmp / "bpe" / "tokenizer.json",
+                                           library)))
     load.append(os.getloadavg()[0])
     encode = next(r["mb_per_s"] for r in rows if r["run"] == "encode")
     result = {"cpu_count": os.cpu_count(), "load_average_1min": load, "corpus_files":

@@ -69,6 +69,29 @@ def test_trained_bpe_is_byte_level(bpe, tmp_path):
         train_bpe(iter(CORPUS), 100, tmp_path / "t.json")
 
 
+def test_fast_encoder_gives_the_library_ids(bpe, tmp_path):
+    """A plain byte-level BPE encodes through tiktoken (``tiktoken_twin``) with exactly the
+    ``tokenizers`` library's ids, special-token text included; a BPE the twin cannot promise
+    (a normalizer, a prefix space) keeps the library's encoder."""
+    assert bpe.fast is not None
+    texts = [TEXT, *CORPUS[:5], f"a{EOD_TEXT}b  \n\t 𝄞 ☃ 12345 don't", "", "   "]
+    want = [e.ids for e in bpe.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    for got, ids in zip(bpe.encode_batch(texts), want):
+        np.testing.assert_array_equal(got, ids)
+    np.testing.assert_array_equal(bpe.encode(texts[6]), want[6])
+    for change in ("normalizer", "prefix"):
+        tok = tokenizers.Tokenizer.from_file(str(bpe.path))
+        if change == "normalizer":
+            tok.normalizer = tokenizers.normalizers.NFKC()
+        else:
+            tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=True)
+        tok.save(str(tmp_path / f"{change}.json"))
+        other = data.load_tokenizer(tmp_path / f"{change}.json")
+        assert other.fast is None
+        np.testing.assert_array_equal(other.encode_batch([TEXT])[0],
+                                      tok.encode(TEXT, add_special_tokens=False).ids)
+
+
 def test_hf_end_of_document_token(tmp_path):
     """The first known end-of-document token in the vocabulary, the one named, or none."""
     vocab = {"<unk>": 0, "</s>": 1, "<eos>": 2, "a": 3}

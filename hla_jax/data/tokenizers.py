@@ -10,6 +10,7 @@ tokenizer that encoded the data.
 """
 
 import importlib
+import json
 import os
 import pathlib
 import shutil
@@ -83,6 +84,54 @@ class ByteTokenizer:
         return {"kind": "bytes", "eod": self.eod_id is not None, **_describe(self)}
 
 
+# the GPT-2 pre-tokenization of ``tokenizers.pre_tokenizers.ByteLevel(use_regex=True)``
+GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _byte_level_chars() -> dict:
+    """``{character: byte}``: the byte-level BPE's printable stand-in for each byte (GPT-2's)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: b for b in keep}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = 256 + n
+    return {chr(c): b for b, c in chars.items()}
+
+
+def tiktoken_twin(spec: dict):
+    """A ``tiktoken`` encoding that gives exactly the ids of the ``tokenizer.json`` ``spec``
+    (parsed), or None where that cannot be promised: ``spec`` must be a plain byte-level BPE
+    (GPT-2 pre-tokenization, no normalizer, no dropout or affixes, every added token special)
+    whose merged tokens' ids rise with their merges' order, since tiktoken merges the pair of
+    lowest rank and the BPE the earliest merge; and tiktoken must be installed.  Its encoder
+    is several times faster than the ``tokenizers`` library's on the same machine."""
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    plain = (spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
+             and pre.get("use_regex", True) and not pre.get("add_prefix_space")
+             and model.get("type") == "BPE" and not model.get("dropout")
+             and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix")
+             and not model.get("byte_fallback") and not model.get("ignore_merges")
+             and all(t.get("special") for t in spec.get("added_tokens", [])))
+    try:
+        tiktoken = importlib.import_module("tiktoken")
+    except ImportError:
+        return None
+    if not plain:
+        return None
+    vocab, chars = model["vocab"], _byte_level_chars()
+    merged = [vocab.get("".join(m.split(" ") if isinstance(m, str) else m)) for m in model["merges"]]
+    if None in merged or any(a >= b for a, b in zip(merged, merged[1:])):
+        return None
+    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    try:
+        ranks = {bytes(chars[c] for c in token): i for token, i in vocab.items()
+                 if token not in special}
+    except KeyError:  # a token outside the byte alphabet
+        return None
+    return tiktoken.Encoding("hla_jax_bpe", pat_str=GPT2_SPLIT, mergeable_ranks=ranks,
+                             special_tokens=special)
+
+
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` ``tokenizer.json``. The end-of-document token is ``eod``
     (its text) or else the first of ``EOD_TOKENS`` in the vocabulary (None when none is).
@@ -102,12 +151,21 @@ class HFTokenizer:
         found = [t for t in EOD_TOKENS if self.tokenizer.token_to_id(t) is not None]
         self.eod = eod if eod is not None else (found[0] if found else None)
         self.eod_id = None if self.eod is None else self.tokenizer.token_to_id(self.eod)
+        self.fast = tiktoken_twin(json.loads(self.tokenizer.to_str()))
 
     def encode(self, text: str) -> np.ndarray:
+        if self.fast is not None:
+            return np.asarray(self.fast.encode(text, allowed_special="all"), np.int32)
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
 
     def encode_batch(self, texts) -> list[np.ndarray]:
-        """Multithreaded in the Rust library (``RAYON_NUM_THREADS`` threads, default all cores)."""
+        """On every core: ``tiktoken_twin``'s encoder where it gives the same ids, else the Rust
+        library's (``RAYON_NUM_THREADS`` threads, default all cores).  Special tokens written in
+        the text are matched in both, as ``tokenizers`` does."""
+        if self.fast is not None:
+            ids = self.fast.encode_batch(list(texts), num_threads=os.cpu_count() or 1,
+                                         allowed_special="all")
+            return [np.asarray(x, np.int32) for x in ids]
         encodings = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, np.int32) for e in encodings]
 
