@@ -300,3 +300,16 @@ def test_base_config_exposes_every_model_field():
 
     fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"seq_axis"}
     assert set(base_config().model.keys()) == fields
+
+
+def test_config_json_records_absolute_data_paths(tmp_path, monkeypatch):
+    """A relative ``data.path`` is written absolute, so a run is sampled from any directory."""
+    from hla_jax.train.trainer import saved_config
+
+    monkeypatch.chdir(tmp_path)
+    c = base_config()
+    c.data.path = "corpus,more/texts"
+    assert saved_config(c).data.path == f"{tmp_path / 'corpus'},{tmp_path / 'more' / 'texts'}"
+    assert c.data.path == "corpus,more/texts"  # the run's own config is left as given
+    c.data.path = ""
+    assert saved_config(c).data.path == ""

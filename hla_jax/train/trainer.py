@@ -82,6 +82,17 @@ def check_writable(workdir: pathlib.Path):
                          f"--workdir on writable storage (all hosts must see it)") from e
 
 
+def saved_config(c):
+    """``c`` as the run's ``config.json`` records it: ``data.path`` (each of a comma list) made
+    absolute, so that sampling and evaluation find the run's corpus and tokenizer from any
+    directory."""
+    saved = c.copy_and_resolve_references()
+    if saved.data.path:
+        saved.data.path = ",".join(str(pathlib.Path(p).absolute())
+                                   for p in str(saved.data.path).split(","))
+    return saved
+
+
 def _bar_postfix(m: dict) -> dict:
     mfu = "n/a" if m.get("mfu") is None else f"{100 * m['mfu']:.1f}%"
     return {"loss": f"{m['loss']:.4f}", "tok/s": f"{m['tokens_per_s']:.0f}", "mfu": mfu}
@@ -128,7 +139,7 @@ def train_and_evaluate(config, workdir) -> dict:
     lead = jax.process_index() == 0
     writer = MetricWriter(workdir, enabled=lead, tensorboard=c.train.tensorboard)
     if lead:
-        (workdir / "config.json").write_text(c.to_json_best_effort(indent=2))
+        (workdir / "config.json").write_text(saved_config(c).to_json_best_effort(indent=2))
 
     graphdef, params, rest, opt_state, sh = init_state(model_cfg, c.seed, mesh, rules, tx)
     ckpt = Checkpointer(workdir / "checkpoints", c.train.keep_checkpoints, c.train.async_checkpoint)
