@@ -317,6 +317,9 @@ def main(argv=None):
     p.add_argument("--skip", default="", help="comma-separated methods to leave out")
     p.add_argument("--budget", type=float, default=0,
                    help="seconds; no new (method, T) pair starts after it (0 = no limit)")
+    p.add_argument("--resume", type=int, default=0,
+                   help="1: keep the (method, T) rows already in <out>/<name>.json (from the same "
+                        "device and shape) and run only the others")
     p.add_argument("--out", default=str(common.RESULTS))
     p.add_argument("--merge", default="",
                    help="comma-separated result JSONs of runs at one shape: write them as one <name> "
@@ -345,9 +348,12 @@ def main(argv=None):
                repeats=a.repeats, rounds=a.rounds, matmul_tflops=mm,
                loglinear_settings=tuned, unavailable=unavailable, rows=[])
     Ts = [int(t) for t in a.T.split(",")]
+    if a.resume:
+        res["rows"] = resumed(os.path.join(a.out, f"{a.name}.json"), res)
     targeted = {n for t in TARGETS for n in (t.num, t.den)}
     order = list(fns)
-    pairs = sorted(((T, n) for T in Ts for n in order),
+    ran = {(r["T"], r["method"]) for r in res["rows"]}
+    pairs = sorted(((T, n) for T in Ts for n in order if (T, n) not in ran),
                    key=lambda x: (x[1] not in targeted, Ts.index(x[0]), order.index(x[1])))
     t_start, current, group = time.perf_counter(), {}, []
 
@@ -375,6 +381,20 @@ def main(argv=None):
         write(res, a.out, a.name)
     rounds()
     write(res, a.out, a.name, show=True)
+
+
+def resumed(path, res) -> list[dict]:
+    """The rows of an earlier run's ``path`` without an error, when it was on this device at this
+    shape (a run resumed on another card starts over: its ratios must come from one card)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        old = json.load(f)
+    keys = ("device", "H", "d", "dv", "tokens", "dtype", "repeats", "rounds")
+    if any(old.get(k) != res[k] for k in keys):
+        print(f"--resume: {path} is from another device or settings; starting over", flush=True)
+        return []
+    return [r for r in old["rows"] if "error" not in r]
 
 
 def ratios(res) -> list[dict]:

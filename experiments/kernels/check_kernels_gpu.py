@@ -7,6 +7,8 @@
         --name kernels_check_gpu_la
     python -m experiments.kernels.check_kernels_gpu --kernels loglinear_mamba2,loglinear_gated_deltanet \
         --name kernels_check_gpu_loglinear
+    # four processes share the device (compilation dominates); a second call resumes a cut run:
+    python -m experiments.kernels.check_kernels_gpu --workers 4 --resume 1
 
 Kernels (``CASES``), compiled, not interpreted:
 
@@ -62,7 +64,11 @@ the same bf16-rounded values).  Prints one line per case as it finishes (``case`
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import os
+import pathlib
+import subprocess
 import sys
 import time
 from typing import NamedTuple
@@ -71,7 +77,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import RESULTS, write_json, write_markdown
+from experiments.common import RESULTS, ROOT, write_json, write_markdown
 from hla_jax import kernels, ops
 from hla_jax.core import fenwick
 from hla_jax.core.documents import doc_starts
@@ -326,14 +332,24 @@ def main(argv=None) -> int:
     p.add_argument("--f32_tile", type=int, default=-1,
                    help="cap of every kernel's chunk/value tiles for float32 at d >= 128 "
                         "(wrap.F32_GPU_TILE; 0: no cap, -1: the library's)")
+    p.add_argument("--resume", type=int, default=0,
+                   help="1: keep the cases already in <out>/<name>.json (and its unmerged parts) "
+                        "and check only the others")
+    p.add_argument("--workers", type=int, default=1,
+                   help="check the cases in this many processes sharing the device (compilation "
+                        "dominates a case), each writing <name>.part<j>, merged into <name>")
     a = p.parse_args(argv)
-    if a.f32_tile >= 0:
-        wrap.F32_GPU_TILE = dict.fromkeys(wrap.F32_GPU_TILE, a.f32_tile or 1 << 30)
-    picked = [int(i) for i in a.cases.split(",")] if a.cases else range(len(CASES))
+    picked = [int(i) for i in a.cases.split(",")] if a.cases else list(range(len(CASES)))
     if a.kernels:
         picked = [i for i in picked if CASES[i].kernel in a.kernels.split(",")]
+    done = merge(a.out, a.name) if a.resume else []
+    picked = [i for i in picked if i not in {r["index"] for r in done}]
+    if a.workers > 1:
+        return run_workers(a, picked)
+    if a.f32_tile >= 0:
+        wrap.F32_GPU_TILE = dict.fromkeys(wrap.F32_GPU_TILE, a.f32_tile or 1 << 30)
     rng = np.random.default_rng(0)
-    rows, lines, ok = [], [], True
+    rows, ok = list(done), all(r["passed"] for r in done)
     for index in picked:
         case = CASES[index]
         t0 = time.perf_counter()
@@ -344,22 +360,61 @@ def main(argv=None) -> int:
         except Exception as e:  # record the failure, keep checking the other cases
             errs, passed = {"error": f"{type(e).__name__}: {str(e)[:400]}"}, False
         ok &= passed
-        rows.append(dict(index=index, case=case._asdict(), tol=tol, passed=passed, errors=errs))
-        lines.append(f"{index}: " + report(case, tol, passed, errs, time.perf_counter() - t0))
-        print(lines[-1], flush=True)
-        write(a.out, a.name, rows, lines, ok)  # after every case: a run cut short keeps what it checked
-    print(write(a.out, a.name, rows, lines, ok))
+        line = f"{index}: " + report(case, tol, passed, errs, time.perf_counter() - t0)
+        rows.append(dict(index=index, case=case._asdict(), tol=tol, passed=passed, errors=errs,
+                         line=line))
+        print(line, flush=True)
+        write(a.out, a.name, rows, info(ok))  # after every case: a run cut short keeps what it checked
+    print(write(a.out, a.name, rows, info(ok)))
     return 0 if ok else 1
 
 
-def write(out, name, rows, lines, ok) -> str:
+def run_workers(a, picked) -> int:
+    """Check ``picked`` in ``a.workers`` child processes (every ``workers``-th case each, so
+    slow and fast kernels spread), then merge their parts into ``<name>``."""
+    base = [f"--out={a.out}", f"--f32_tile={a.f32_tile}"]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # the device is shared
+    procs = [subprocess.Popen([sys.executable, "-m", "experiments.kernels.check_kernels_gpu", *base,
+                               f"--cases={','.join(map(str, part))}", f"--name={a.name}.part{j}"],
+                              env=env, cwd=ROOT)
+             for j, part in enumerate(picked[j::a.workers] for j in range(a.workers)) if part]
+    for proc in procs:
+        proc.wait()
+    rows = merge(a.out, a.name)
+    print("\n".join(r.get("line", "") for r in rows))
+    ok = len(rows) > 0 and all(r["passed"] for r in rows)
+    return 0 if ok else 1
+
+
+def merge(out, name) -> list[dict]:
+    """The rows of ``<name>.json`` and of its parts ``<name>.part<j>.json`` (a part's row
+    replaces one of the same case), written back as ``<name>`` with the parts removed."""
+    paths = [os.path.join(out, f"{name}.json"), *sorted(glob.glob(os.path.join(out, f"{name}.part*.json")))]
+    found = [json.load(open(p)) for p in paths if os.path.exists(p)]
+    rows = sorted({r["index"]: r for f in found for r in f["cases"]}.values(), key=lambda r: r["index"])
+    if len(found) > 1 or (found and len(paths) > 1):
+        ok = all(r["passed"] for r in rows)
+        write(out, name, rows, found[-1]["info"].rsplit(" all_passed=", 1)[0] + f" all_passed={ok}",
+              prov=found[-1].get("provenance"))
+        for p in paths[1:]:
+            for suffix in (".json", ".txt"):
+                pathlib.Path(p[:-len(".json")] + suffix).unlink(missing_ok=True)
+    return rows
+
+
+def info(ok) -> str:
+    """The provenance line of this process's checks."""
+    return (f"device={jax.devices()[0].device_kind} jax={jax.__version__} "
+            f"f32_tile={wrap.F32_GPU_TILE} all_passed={ok}")
+
+
+def write(out, name, rows, info_line, prov=None) -> str:
     """``<out>/<name>.json`` (the cases, with this call's provenance) and ``.txt`` (the provenance
     line, one line per case, then the summary); the summary."""
-    info = (f"device={jax.devices()[0].device_kind} jax={jax.__version__} "
-            f"f32_tile={wrap.F32_GPU_TILE} all_passed={ok}")
-    write_json(os.path.join(out, f"{name}.json"), dict(info=info, cases=rows))
-    write_markdown(os.path.join(out, f"{name}.txt"), "\n".join(lines + [info]))
-    return info
+    write_json(os.path.join(out, f"{name}.json"), dict(info=info_line, cases=rows), prov)
+    lines = [r.get("line", "") for r in rows] + [info_line]
+    write_markdown(os.path.join(out, f"{name}.txt"), "\n".join(lines), prov)
+    return info_line
 
 
 if __name__ == "__main__":
