@@ -5,8 +5,8 @@
 
 Steps (``STEPS``), each a child process writing into ``--out``:
 
-1. ``check``: ``experiments.kernels.check_kernels_gpu``, every case, four processes sharing the
-   device (``check.{json,txt}``);
+1. ``check``: ``experiments.kernels.check_kernels_gpu``, every case, two processes sharing the
+   device (``check.{json,txt}``; a case that ran out of device memory is checked again);
 2. ``kernels``: ``experiments.kernels.bench_kernels`` at T = 8K and 32K, its default methods
    (ours, cuDNN, the ``jax-linear-attention`` wheel, our XLA forms) (``kernels.{json,md}``);
 3. ``fla``: ``experiments.kernels.bench_fla``, fla's Gated DeltaNet and gated linear attention
@@ -53,14 +53,15 @@ class Step(NamedTuple):
 
 
 def _check_done(out, rc):
-    from experiments.kernels.check_kernels_gpu import CASES
+    from experiments.kernels.check_kernels_gpu import CASES, out_of_memory
     path = out / "check.json"
-    return path.exists() and len(json.loads(path.read_text())["cases"]) == len(CASES)
+    rows = json.loads(path.read_text())["cases"] if path.exists() else []
+    return len(rows) == len(CASES) and not any(out_of_memory(r) for r in rows)
 
 
 STEPS = (
     Step("check", 120,
-         lambda a, left: ["experiments.kernels.check_kernels_gpu", "--workers=4", "--resume=1",
+         lambda a, left: ["experiments.kernels.check_kernels_gpu", "--workers=2", "--resume=1",
                           "--name=check", f"--out={a.out}"],
          _check_done),
     Step("kernels", 180,
@@ -142,7 +143,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="results folder, kept between calls")
     p.add_argument("--budget_s", type=float, default=540, help="seconds for this call")
-    p.add_argument("--steps", default=",".join(s.name for s in STEPS), help="comma list, in order")
+    p.add_argument("--steps", default=",".join(s.name for s in STEPS),
+                   help="comma list, run in this order")
     p.add_argument("--pack", default="", help="write --out as this .tar.gz after each step")
     a = p.parse_args(argv)
     deadline = time.monotonic() + a.budget_s
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
     state["calls"].append({"start": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "environment": environment()})
     print(json.dumps(state["calls"][-1]["environment"], indent=1), flush=True)
-    for step in (s for s in STEPS if s.name in names):
+    for step in sorted((s for s in STEPS if s.name in names), key=lambda s: names.index(s.name)):
         if state["steps"].get(step.name, {}).get("state") == "done":
             continue
         left = deadline - time.monotonic()
