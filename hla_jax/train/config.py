@@ -99,6 +99,15 @@ def base_config() -> ml_collections.ConfigDict:
         coordinator="",             # multihost: "host:port" of process 0 ("" = auto-detected)
         num_processes=0,            # multihost: processes in all (0 = auto-detected)
         process_id=-1,              # multihost: this process's id (-1 = auto-detected)
+        coordinator_bind="",        # multihost: "host:port" process 0's coordinator listens on
+                                    # ("" = JAX's default: every interface, coordinator's port)
+        mtls=dict(cert_file="",     # multihost: mutual TLS of the coordination service: this
+                  key_file="",      # host's PEM certificate chain, its private key and the CA
+                  ca_file="",       # bundle that verifies the peers ("" = plain TCP)
+                  peer_uri_prefix="",  # accept a peer iff a URI SAN starts with it ("" = host
+                                       # name verification)
+                  required=False),  # refuse to start without mTLS (JAX's
+                                    # verify_secure_credentials)
         rules=(("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv", None),
                ("mlp", "tensor"), ("levels", None), ("conv", None)),  # logical -> mesh axis
     ))
