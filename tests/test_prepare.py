@@ -15,7 +15,7 @@ from helpers import data_cfg
 
 from hla_jax import data
 from hla_jax.data.corpus import token_dtype
-from hla_jax.data.prepare import prepare
+from hla_jax.data.prepare import input_field, prepare
 from hla_jax.train import train_and_evaluate
 from hla_jax.train.config import base_config
 
@@ -45,6 +45,10 @@ def inputs(tmp_path_factory):
     pq.write_table(pa.table({"body": DOCS, "id": range(40)}), root / "docs.parquet",
                    row_group_size=7)
     (root / "bad.jsonl").write_text('{"body": "fine"}\n{"body": cut\n')
+    (root / "bad.parquet").write_bytes(b"PAR1 not parquet PAR1")
+    (root / "bad.jsonl.gz").write_bytes(b"not gzip")
+    (root / "empty.jsonl").write_text("\n")
+    pq.write_table(pa.table({"content": DOCS[:10]}), root / "content.parquet")
     (root / "bad.json").write_text('{"not": "a tokenizer"}')
     datasets.Dataset.from_dict({"body": DOCS}).save_to_disk(str(root / "saved"))
     return root
@@ -108,6 +112,10 @@ def test_tokenizer_files_and_dtype(inputs, tmp_path):
     (["docs.jsonl"], dict(field="text"), "--field='text': .*docs.jsonl:1 has no such field"),
     (["docs.parquet"], dict(field="id"), "--field='id': .* has no such text column"),
     (["bad.jsonl"], dict(field="body"), "bad.jsonl:2 is not a JSON line"),
+    (["text", "bad.parquet"], {}, "bad.parquet: cannot be read as parquet \\(ArrowInvalid: "),
+    (["text", "bad.jsonl.gz"], {}, "bad.jsonl.gz: cannot be read as jsonl \\(BadGzipFile: "),
+    (["text", "empty.jsonl"], {}, "^no documents in .*empty.jsonl$"),
+    (["text", "docs.jsonl:title"], {}, "--field='title': .*docs.jsonl:1 has no such field"),
     (["hf:saved"], dict(field="text"), "--field='text': hf:.* has no such column"),
     (["text"], dict(tokenizer="gpt2"), "tokenizer must be bytes"),
     (["text"], dict(tokenizer="bad.json"), "bad.json is not a tokenizer.json"),
@@ -116,20 +124,71 @@ def test_tokenizer_files_and_dtype(inputs, tmp_path):
     ([], {}, "give at least one INPUT"),
 ])
 def test_bad_settings(inputs, tmp_path, args, kw, match):
-    paths = [f"hf:{inputs / a[3:]}" if a.startswith("hf:") else inputs / a for a in args]
+    """One error naming the flag or the input; nothing is left behind, not even the folders
+    created for ``--output``."""
+    paths = [f"hf:{inputs / a[3:]}" if a.startswith("hf:") else f"{inputs}/{a}" for a in args]
     if kw.get("tokenizer", "").endswith(".json"):
         kw = dict(kw, tokenizer=str(inputs / kw["tokenizer"]))
     with pytest.raises(ValueError, match=match):
-        run(paths, tmp_path / "out", **kw)
+        run(paths, tmp_path / "new" / "out", **kw)
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_command_line_error_is_one_line(inputs, tmp_path):
+def test_failure_leaves_an_empty_output_as_it_was(inputs, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match="no documents in"):
+        run([inputs / "text", inputs / "empty.jsonl"], tmp_path / "out", tokenizer="bpe",
+            vocab_size=300)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and not any((tmp_path / "out").iterdir())
+    run([inputs / "text"], tmp_path / "out")  # the same directory takes a rerun
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "corpus.json", "train.npy", "validation.npy"]
+
+
+def test_a_field_per_input(inputs, tmp_path):
+    """``PATH:FIELD`` names one input's field; the others take ``--field``."""
+    info = run([f"{inputs}/docs.jsonl:body", f"{inputs}/content.parquet:content",
+                f"hf:{inputs}/saved"], tmp_path / "out", field="body")
+    assert [(s["input"], s["field"], s["documents"]) for s in info["sources"]] == [
+        (f"{inputs}/docs.jsonl", "body", 40), (f"{inputs}/content.parquet", "content", 10),
+        (f"hf:{inputs}/saved", "body", 40)]
+    assert [input_field(a, "text") for a in ("hf:org/name:content", "hf:org/name", "a.jsonl",
+                                             "dir/a.jsonl:body", "c:/x")] == [
+        ("hf:org/name", "content"), ("hf:org/name", "text"), ("a.jsonl", "text"),
+        ("dir/a.jsonl", "body"), ("c:/x", "text")]
+    (tmp_path / "odd:name").write_text("a document")  # an existing path is taken whole
+    assert input_field(str(tmp_path / "odd:name"), "text") == (str(tmp_path / "odd:name"), "text")
+
+
+def test_a_smaller_vocabulary_than_asked_is_said(inputs, tmp_path, caplog):
+    info = run([inputs / "text"], tmp_path / "bpe", tokenizer="bpe", vocab_size=5000)
+    got = info["tokenizer"]["vocab_size"]
+    assert got < 5000
+    assert (f"--vocab_size=5000: the BPE learned only {got} ids from these documents"
+            in caplog.text)
+    assert info["splits"]["train"]["max_id"] < got
+
+
+@pytest.mark.parametrize("output, args, error", [
+    ("full", ["text"], "--output={tmp}/full exists and is not an empty directory"),
+    # checked before any input is read: bad.jsonl would fail
+    ("file/out", ["bad.jsonl"], "--output={tmp}/file/out cannot be written (Not a directory): "
+                                "give a directory on writable storage"),
+    ("out", ["text", "bad.parquet"], "{inputs}/bad.parquet: cannot be read as parquet "
+                                     "(ArrowInvalid: "),
+    ("out", ["text", "empty.jsonl"], "no documents in {inputs}/empty.jsonl"),
+])
+def test_command_line_error_is_one_line(inputs, tmp_path, output, args, error):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    out = subprocess.run([sys.executable, "-m", "hla_jax.data.prepare", f"--output={tmp_path / 'full'}",
-                          str(inputs / "text")], capture_output=True, text=True)
+    (tmp_path / "file").write_text("")
+    out = subprocess.run([sys.executable, "-m", "hla_jax.data.prepare",
+                          f"--output={tmp_path / output}", *(f"{inputs}/{a}" for a in args)],
+                         capture_output=True, text=True)
     assert out.returncode == 1
-    assert out.stderr == f"prepare: --output={tmp_path / 'full'} exists and is not an empty directory\n"
+    assert out.stderr.startswith("prepare: " + error.format(tmp=tmp_path, inputs=inputs))
+    assert out.stderr.count("\n") == 1 and out.stderr.endswith("\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]
 
 
 def test_training_on_a_prepared_bpe_corpus(inputs, tmp_path):
