@@ -5,9 +5,10 @@ field. Re-running with the same ``--workdir`` resumes from its newest checkpoint
 ``hla_jax.train.train_and_evaluate(config, workdir)`` directly.
 
 A bad command line (a flag, the config file, a ``--config.*`` override: errors while parsing
-them), a bad setting (ValueError), a non-finite loss (FloatingPointError) or a checkpoint that
-cannot be written or read (CheckpointError) prints one line to stderr, no traceback (it is
-logged at ``--verbosity=1``), and exits with status 1.
+them), a bad setting or damaged data (ValueError), a non-finite loss (FloatingPointError) or a
+checkpoint that cannot be written or read (CheckpointError) prints one line to stderr, no
+traceback (it is logged at ``--verbosity=1``), and exits with status 1; any other error prints
+its type and first line the same way, and Ctrl-C exits with status 130.
 """
 
 import logging as std_logging
@@ -29,10 +30,10 @@ class _QuietOrbax(std_logging.Filter):
         return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
 
 
-def _fail(message: str):
+def _fail(message: str, status: int = 1):
     logging.debug("traceback (shown with --verbosity=1):", exc_info=True)
     print(message, file=sys.stderr)
-    sys.exit(1)
+    sys.exit(status)
 
 
 def _root_cause(error: BaseException) -> BaseException:
@@ -72,6 +73,11 @@ def main(argv):
         train_and_evaluate(config, _WORKDIR.value)
     except (ValueError, FloatingPointError, CheckpointError) as e:
         _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted", status=130)
+    except Exception as e:  # e.g. OSError: the disk filled up while writing metrics
+        _fail(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]} (the traceback: "
+              f"--verbosity=1)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ split (seeded), an end of document after each, dtype by vocabulary, one-line err
 training run on a prepared BPE corpus that evaluates on its validation split and samples text."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import data_cfg
+from helpers import ROOT, data_cfg
 
 from hla_jax import data
 from hla_jax.data.corpus import token_dtype
@@ -209,3 +210,75 @@ def test_training_on_a_prepared_bpe_corpus(inputs, tmp_path):
     with pytest.raises(ValueError, match="model.vocab_size=256 is smaller than the data's "
                                          "vocabulary \\(300, its tokenizer\\)"):
         data.make_sources(data_cfg(kind="tokens", path=str(corpus)), 256)
+
+
+def _set_max_id(directory, value):
+    info = json.loads((directory / "corpus.json").read_text())
+    if value is None:
+        del info["splits"]["train"]["max_id"]
+    else:
+        info["splits"]["train"]["max_id"] = value
+    (directory / "corpus.json").write_text(json.dumps(info))
+
+
+def _big_id(directory):
+    """An old corpus (no max_id) whose train.npy holds an id past the vocabulary."""
+    _set_max_id(directory, None)
+    ids = np.load(directory / "train.npy", mmap_mode="r+")
+    ids[3] = 400
+    ids.flush()
+
+
+DAMAGE = {  # how -> (damage(directory), the error after "data.path={dir}: ")
+    "missing": (lambda d: (d / "train.npy").unlink(), "token file {dir}/train.npy does not exist"),
+    "truncated": (lambda d: (d / "train.npy").write_bytes((d / "train.npy").read_bytes()[:500]),
+                  "{dir}/train.npy is not a readable .npy token file (mmap length is greater"),
+    "longer": (lambda d: (d / "train.npy").write_bytes((d / "train.npy").read_bytes() + b"x"),
+               "{dir}/train.npy is {size} bytes, its header says {size_minus_1}"),
+    "overwritten": (lambda d: np.save(d / "validation.npy", np.arange(9, dtype=np.uint8)),
+                    "{dir}/validation.npy holds 9 uint8 ids, its corpus.json says"),
+    "not npy": (lambda d: (d / "validation.npy").write_text("text"),
+                "{dir}/validation.npy is not a .npy file (it does not start with the NumPy magic)"),
+    "json cut": (lambda d: (d / "corpus.json").write_text((d / "corpus.json").read_text()[:99]),
+                 "{dir}/corpus.json is damaged (JSONDecodeError: "),
+    "tokenizer cut": (lambda d: (d / "tokenizer.json").write_text("{"),
+                      "its tokenizer does not load: tokenizer: {dir}/tokenizer.json is not a "
+                      "tokenizer.json"),
+    "tokenizer gone": (lambda d: (d / "tokenizer.json").unlink(),
+                       "its tokenizer does not load: tokenizer: {dir}/tokenizer.json is not a "
+                       "tokenizer.json (No such file"),
+    "max_id": (lambda d: _set_max_id(d, 300), "{dir}/train.npy holds id 300, outside its "
+                                              "tokenizer's vocabulary of 300"),
+    "old, big id": (_big_id, "{dir}/train.npy holds id 400, outside its tokenizer's vocabulary "
+                             "of 300"),
+}
+
+
+@pytest.fixture(scope="module")
+def bpe_corpus(inputs, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bpe") / "corpus"
+    run([inputs / "text"], directory, tokenizer="bpe", vocab_size=300)
+    return directory
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_corpus_is_named_before_training(bpe_corpus, tmp_path, how):
+    """Every file of the corpus is checked before training: the error names ``data.path`` and
+    the damaged file."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(bpe_corpus, corpus)
+    size = (corpus / "train.npy").stat().st_size
+    damage, error = DAMAGE[how]
+    damage(corpus)
+    error = f"data.path={{dir}}: {error}".format(dir=corpus, size=size + 1, size_minus_1=size)
+    with pytest.raises(ValueError) as e:
+        data.make_sources(data_cfg(kind="tokens", path=str(corpus)), 300)
+    assert str(e.value).startswith(error) and "\n" not in str(e.value)
+    if how == "truncated":  # the command line: this one line, status 1
+        proc = subprocess.run(
+            [sys.executable, "-m", "hla_jax.main", "--config=configs/lm.py:size=tiny",
+             "--config.data.kind=tokens", f"--config.data.path={corpus}",
+             "--config.model.vocab_size=0", f"--workdir={tmp_path / 'run'}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.splitlines()[-1].startswith(error)
+        assert "Traceback" not in proc.stderr

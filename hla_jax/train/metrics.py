@@ -91,12 +91,17 @@ class MetricWriter:
                     scalar(f"{split}/{k}", float(v), int(step))
             flush()
 
-
     def close(self):
         """Flush and close the TensorBoard writer (its events may be queued until then)."""
         if self.tb is not None:
             self.tb[2]()
             self.tb = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def read_metrics(workdir, split: str | None = None) -> list[dict]:

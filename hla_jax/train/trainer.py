@@ -11,6 +11,7 @@ and stops only after ``train.max_bad_steps`` consecutive skips. A ``workdir`` th
 written is a ValueError before anything is built; a failed save a CheckpointError.
 """
 
+import contextlib
 import json
 import math
 import pathlib
@@ -124,8 +125,13 @@ def sample_text(graphdef, params, rest, source, c, step, tokenizer) -> dict:
 
 def train_and_evaluate(config, workdir) -> dict:
     """Train ``config`` (see ``hla_jax.train.config.base_config``), writing checkpoints,
-    ``metrics.jsonl`` and ``config.json`` under ``workdir``. Returns the last train/eval metrics."""
-    c, workdir = config, pathlib.Path(workdir).absolute()
+    ``metrics.jsonl`` and ``config.json`` under ``workdir``. Returns the last train/eval metrics.
+    The metric writer, the checkpointer and the progress bar are closed on every exit."""
+    with contextlib.ExitStack() as opened:
+        return _train(config, pathlib.Path(workdir).absolute(), opened)
+
+
+def _train(c, workdir: pathlib.Path, opened: contextlib.ExitStack) -> dict:
     sharding.maybe_initialize_distributed(c.mesh)
     mesh = sharding.make_mesh(c.mesh)
     proc = sharding.batch_block(mesh)  # this process's block of the rows of every batch
@@ -137,12 +143,14 @@ def train_and_evaluate(config, workdir) -> dict:
     tx = make_optimizer(c.optim, c.train.num_steps)
     schedule = make_schedule(c.optim, c.train.num_steps)
     lead = jax.process_index() == 0
-    writer = MetricWriter(workdir, enabled=lead, tensorboard=c.train.tensorboard)
+    writer = opened.enter_context(MetricWriter(workdir, enabled=lead,
+                                               tensorboard=c.train.tensorboard))
     if lead:
         (workdir / "config.json").write_text(saved_config(c).to_json_best_effort(indent=2))
 
     graphdef, params, rest, opt_state, sh = init_state(model_cfg, c.seed, mesh, rules, tx)
-    ckpt = Checkpointer(workdir / "checkpoints", c.train.keep_checkpoints, c.train.async_checkpoint)
+    ckpt = opened.enter_context(Checkpointer(workdir / "checkpoints", c.train.keep_checkpoints,
+                                             c.train.async_checkpoint))
     start, position = 0, 0
     if ckpt.latest_step() is not None:
         abstract = abstract_with_shardings({"params": params, "opt_state": opt_state},
@@ -177,8 +185,9 @@ def train_and_evaluate(config, workdir) -> dict:
     samples = c.data.kind in ("text", "tokens") and c.train.sample_tokens > 0 and c.train.eval_steps > 0
     tokenizer = data_lib.tokenizer_for_data(c.data) if samples else None
 
-    bar = tqdm.tqdm(total=c.train.num_steps, initial=start, disable=not (lead and c.train.progress_bar),
-                    dynamic_ncols=True, desc="train")
+    bar = opened.enter_context(tqdm.tqdm(
+        total=c.train.num_steps, initial=start, disable=not (lead and c.train.progress_bar),
+        dynamic_ncols=True, desc="train"))
     pending, last, bad_run = [], {"step": start}, 0  # bad_run: consecutive non-finite steps
 
     def flush(step):
@@ -195,8 +204,6 @@ def train_and_evaluate(config, workdir) -> dict:
                     logging.warning("%s: update skipped (%d in a row)", what, bad_run)
                 continue
             ckpt.wait()
-            bar.close()
-            writer.close()
             good = ckpt.latest_step()
             kept = (f"the last good checkpoint (step {good}) is kept in {ckpt.directory}"
                     if good is not None else f"no checkpoint had been saved in {ckpt.directory}")
@@ -243,8 +250,4 @@ def train_and_evaluate(config, workdir) -> dict:
             ckpt.save(step, {"params": params, "opt_state": opt_state}, train_it.position)
         if do_eval or do_save:
             meter.reset()
-    bar.close()
-    writer.close()
-    ckpt.wait()
-    ckpt.close()
     return last
