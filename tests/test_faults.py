@@ -223,6 +223,8 @@ def test_nan_policy_skip_stops_after_max_bad_steps(docs, tmp_path):
     (["--config=configs/lm.py", "--config.train.nope=1"], "no config field 'nope'"),
     (["--config=configs/lm.py", "--config.train.nan_policy=maybe"],
      "train.nan_policy must be 'stop' or 'skip', got 'maybe'"),
+    (["--config=configs/lm.py", "--config.train.profile_steps=12:10"],
+     "train.profile_steps must be 'FIRST:LAST' with 1 <= FIRST <= LAST"),
 ])
 def test_bad_command_line_prints_one_line(args, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hla_jax.main", *args, f"--workdir={tmp_path}"],

@@ -30,8 +30,8 @@ from hla_jax import data as data_lib
 from hla_jax.nn import LM, flops_per_token, generate, param_count
 from hla_jax.train import sharding
 from hla_jax.train.checkpoint import Checkpointer, abstract_with_shardings
-from hla_jax.train.config import check_config
-from hla_jax.train.metrics import MetricWriter, peak_flops
+from hla_jax.train.config import check_config, profile_steps
+from hla_jax.train.metrics import MetricWriter, StepTrace, peak_flops
 from hla_jax.train.optim import make_optimizer, make_schedule
 from hla_jax.train.steps import eval_summary, make_eval_step, make_train_step
 
@@ -143,10 +143,12 @@ def _train(c, workdir: pathlib.Path, opened: contextlib.ExitStack) -> dict:
     tx = make_optimizer(c.optim, c.train.num_steps)
     schedule = make_schedule(c.optim, c.train.num_steps)
     lead = jax.process_index() == 0
-    writer = opened.enter_context(MetricWriter(workdir, enabled=lead,
-                                               tensorboard=c.train.tensorboard))
+    saved = saved_config(c)
+    writer = opened.enter_context(MetricWriter(
+        workdir, enabled=lead, tensorboard=c.train.tensorboard,
+        wandb_project=c.train.wandb_project, wandb_config=json.loads(saved.to_json_best_effort())))
     if lead:
-        (workdir / "config.json").write_text(saved_config(c).to_json_best_effort(indent=2))
+        (workdir / "config.json").write_text(saved.to_json_best_effort(indent=2))
 
     graphdef, params, rest, opt_state, sh = init_state(model_cfg, c.seed, mesh, rules, tx)
     ckpt = opened.enter_context(Checkpointer(workdir / "checkpoints", c.train.keep_checkpoints,
@@ -189,6 +191,9 @@ def _train(c, workdir: pathlib.Path, opened: contextlib.ExitStack) -> dict:
         total=c.train.num_steps, initial=start, disable=not (lead and c.train.progress_bar),
         dynamic_ncols=True, desc="train"))
     pending, last, bad_run = [], {"step": start}, 0  # bad_run: consecutive non-finite steps
+    trace = opened.enter_context(StepTrace(
+        workdir / "profile" / (f"process_{jax.process_index()}" if jax.process_count() > 1 else ""),
+        profile_steps(c.train.profile_steps)))
 
     def flush(step):
         """Fetch the metrics of the steps since the last flush; on a non-finite value stop, or
@@ -225,7 +230,10 @@ def _train(c, workdir: pathlib.Path, opened: contextlib.ExitStack) -> dict:
 
     for step in range(start + 1, c.train.num_steps + 1):
         batch = sharding.global_batch(next(train_it), mesh, c.data.batch_size // c.optim.grad_accum)
-        params, opt_state, m = train_step(params, opt_state, rest, batch)
+        trace.before(step)
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            params, opt_state, m = train_step(params, opt_state, rest, batch)
+        trace.after(step, m)
         pending.append((step, m))
         meter.steps += 1
         bar.update(1)
