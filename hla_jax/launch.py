@@ -9,10 +9,10 @@ and ``--config.mesh.multihost=True`` pointed at a coordinator that listens on ``
 only (``mesh.coordinator_bind``): one mesh spans all processes, each loads only its own rows of
 every global batch, collectives go through gloo. This is a multi-host run on one machine (to
 test one, or to check a config before a cluster); on a real cluster run ``hla_jax.main`` itself
-on every host with ``--config.mesh.multihost=True``.
-Every process is watched: when any one exits with a non-zero status the others are stopped
-(SIGTERM, SIGKILL 3 s later) and the launcher exits with that status (128 + the signal for a
-process killed by one, as a shell reports it).
+on every host with ``--config.mesh.multihost=True``. Every process is watched: when any one
+exits with a non-zero status the others are stopped (SIGTERM, SIGKILL 3 s later) and the
+launcher exits with that status (128 + the signal for a process killed by one, as a shell
+reports it).
 """
 
 import os
@@ -55,9 +55,9 @@ def main_commands(args, processes: int, port: int) -> list[list[str]]:
             for i in range(processes)]
 
 
-def run_all(commands, env, timeout: float | None = None, grace: float = 3.0) -> int:
+def run_all(commands, env, timeout: float | None = None) -> int:
     """Start every command and watch them all: the first one to exit with a non-zero status (or
-    ``timeout`` seconds) stops the others (SIGTERM, then SIGKILL after ``grace`` seconds).
+    ``timeout`` seconds) stops the others (``stop``: SIGTERM, then SIGKILL 3 s later).
     Returns 0 when all exit 0, else the first failure's status (-signal for a process killed by a
     signal, 124 on timeout)."""
     procs = [subprocess.Popen(cmd, env=env) for cmd in commands]
@@ -73,7 +73,7 @@ def run_all(commands, env, timeout: float | None = None, grace: float = 3.0) -> 
                 break
             time.sleep(0.05)
     finally:
-        stop(procs, grace)
+        stop(procs)
     return status
 
 

@@ -113,7 +113,7 @@ def _found(directory: pathlib.Path, error: BaseException) -> str:
                    if p.is_file() and p.stat().st_size == 0)
     if empty:
         return f"has empty files {', '.join(empty)} ({_first_line(error)})"
-    return f"does not read back ({_first_line(error)})"
+    return f"gives {_first_line(error)}"
 
 
 class Checkpointer:
