@@ -4,6 +4,7 @@ under the workdir; their bad settings are one-line errors naming the field."""
 
 import json
 import sys
+import time
 
 import pytest
 from helpers import persistent_compilation_cache, tiny_lm_config, write_docs
@@ -38,11 +39,17 @@ def test_wandb_and_profile_of_a_tiny_run(tmp_path, monkeypatch):
     run_id = (workdir / "wandb_run_id").read_text()
     logs = sorted(workdir.glob("wandb/offline-run-*/run-*.wandb"))
     assert [log.name for log in logs] == [f"run-{run_id}.wandb"] * 2
-    records = b"".join(log.read_bytes() for log in logs)  # keys, JSON values appear as written
-    assert b"hla-jax-test" in records
-    for r in read_metrics(workdir, "train"):
-        for key in ("loss", "grad_norm"):
-            assert f"train/{key}".encode() in records and json.dumps(r[key]).encode() in records
+    want = [b"hla-jax-test"] + [s.encode() for r in read_metrics(workdir, "train")
+                                for k in ("loss", "grad_norm") for s in (f"train/{k}",
+                                                                         json.dumps(r[k]))]
+    deadline = time.monotonic() + 20  # wandb's service finishes writing after finish() returns
+    while True:
+        records = b"".join(log.read_bytes() for log in logs)  # keys, JSON values as written
+        missing = [w for w in want if w not in records]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not missing
     assert list((workdir / "profile").glob("plugins/profile/*/*.xplane.pb"))
 
 
