@@ -119,6 +119,31 @@ def test_real_run_binds_loopback_and_stops_on_a_killed_process(tmp_path):
         proc.wait()
 
 
+def _certificates(directory: pathlib.Path):
+    """A CA (``ca.pem``) and a certificate for 127.0.0.1 / localhost that it signed
+    (``host.pem``, ``host.key``), made with the openssl command."""
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+            "ca.pem", "-days", "1", "-subj", "/CN=hla_jax test CA")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "host.key", "-out", "host.csr",
+            "-subj", "/CN=localhost")
+    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl("x509", "-req", "-in", "host.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "host.pem", "-days", "1", "-extfile", "san.cnf")
+
+
+def test_mtls_coordinator_serves_only_certified_peers(tmp_path):
+    """Two processes with ``mesh.mtls``: they connect and exchange data; the coordinator answers
+    a TLS client with the CA's certificate and hangs up on one without (tests/mtls_check.py)."""
+    _certificates(tmp_path)
+    port = launch.free_port()
+    commands = [[sys.executable, str(ROOT / "tests" / "mtls_check.py"), str(i), str(port),
+                 str(tmp_path)] for i in range(2)]
+    assert launch.run_all(commands, launch.cpu_env(1), timeout=120) == 0
+
+
 def _mesh(**over):
     c = base_config().mesh
     c.update_from_flattened_dict({"multihost": True, "coordinator": "10.0.0.1:1234",
