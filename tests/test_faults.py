@@ -20,7 +20,7 @@ import pytest
 from helpers import ROOT, compilation_cache_restored, tiny_lm_config, tiny_lm_flags, write_docs
 from jax.experimental.compilation_cache import compilation_cache
 
-from hla_jax.train import CheckpointError, read_metrics, train_and_evaluate
+from hla_jax.train import Checkpointer, CheckpointError, read_metrics, train_and_evaluate
 from hla_jax.train import trainer as trainer_lib
 
 RUN = {"train.checkpoint_every": 2, "train.eval_every": 4, "train.eval_steps": 1,
@@ -253,3 +253,26 @@ def test_any_other_error_is_one_line(monkeypatch, capsys, error, message, status
     with pytest.raises(SystemExit) as e:
         main_lib.main(["main"])
     assert e.value.code == status and capsys.readouterr().err == message + "\n"
+
+
+def test_checkpointer_keeps_the_first_error(tmp_path, monkeypatch, caplog):
+    """Leaving a ``with Checkpointer`` block on an error: a save in flight that failed too is
+    logged, the first error propagates, orbax's manager is closed either way."""
+    closed = []
+    with Checkpointer(tmp_path / "checkpoints", async_save=False) as ckpt:
+        monkeypatch.setattr(ckpt.manager, "close", lambda: closed.append(True))
+    assert closed == [True]
+
+    def failed_save():
+        raise CheckpointError("saving checkpoint step 6 failed")
+
+    with pytest.raises(ValueError, match="^the first error$"):
+        with Checkpointer(tmp_path / "checkpoints", async_save=False) as ckpt:
+            monkeypatch.setattr(ckpt, "wait", failed_save)
+            monkeypatch.setattr(ckpt.manager, "close", lambda: closed.append(True))
+            raise ValueError("the first error")
+    assert closed == [True, True]
+    assert "while stopping on an error: CheckpointError: saving checkpoint step 6 failed" in caplog.text
+    with pytest.raises(CheckpointError, match="step 6 failed"):  # alone, it is the error
+        with Checkpointer(tmp_path / "checkpoints", async_save=False) as ckpt:
+            monkeypatch.setattr(ckpt, "wait", failed_save)

@@ -234,8 +234,9 @@ class Checkpointer:
             return
         try:
             self.close()
-        except Exception as e:
-            logging.warning("while stopping on an error: %s", _first_line(e))
+        except Exception as e:  # its context is the error in flight: not _first_line
+            logging.warning("while stopping on an error: %s: %s", type(e).__name__,
+                            (str(e).splitlines() or [""])[0])
 
 
 def abstract_with_shardings(tree, shardings):
