@@ -17,6 +17,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from hla_jax.core.errors import root_cause
 from hla_jax.train import CheckpointError, train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].", lock_config=True)
@@ -36,19 +37,13 @@ def _fail(message: str, status: int = 1):
     sys.exit(status)
 
 
-def _root_cause(error: BaseException) -> BaseException:
-    while (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__
-    return error
-
-
 def _parse(argv):
     """absl's flag parsing with each error as one line: the flag and the innermost cause (e.g.
     the ValueError of the config file's ``get_config``), or the unknown ``--config.*`` field."""
     try:
         return flags.FLAGS(argv)
     except Exception as e:  # flags.Error; a KeyError: an override naming no config field
-        root = _root_cause(e)
+        root = root_cause(e)
         text = (str(root).strip().splitlines() or [type(root).__name__])[0]
         if isinstance(e, flags.Error):
             flag = str(e).split(": ", 1)[0]
@@ -68,7 +63,7 @@ def main(argv):
         config = _CONFIG.value
         config.keys()  # a config file that failed to load raises on first use
     except OSError as e:
-        _fail(f"--config: {str(_root_cause(e)).strip().splitlines()[-1].strip()}")
+        _fail(f"--config: {str(root_cause(e)).strip().splitlines()[-1].strip()}")
     try:
         train_and_evaluate(config, _WORKDIR.value)
     except (ValueError, FloatingPointError, CheckpointError) as e:

@@ -11,6 +11,8 @@ import sysconfig
 
 import numpy as np
 
+from hla_jax.core.errors import first_line
+
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 CORPUS_JSON = "corpus.json"          # a prepared corpus's description (sources, splits, tokenizer)
 SPLITS = ("train", "validation")     # a prepared corpus's memmaps, <split>.npy
@@ -94,9 +96,8 @@ def is_bare_memmap(path) -> bool:
 
 
 def _damaged(directory, path, error: Exception) -> ValueError:
-    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return ValueError(f"data.path={directory}: {path} is damaged ({type(error).__name__}: "
-                      f"{text}); prepare the corpus again (python -m hla_jax.data.prepare)")
+    return ValueError(f"data.path={directory}: {path} is damaged ({first_line(error)}); prepare "
+                      f"the corpus again (python -m hla_jax.data.prepare)")
 
 
 def corpus_info(directory) -> dict:

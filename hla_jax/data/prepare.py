@@ -48,6 +48,7 @@ import numpy as np
 import tqdm
 from absl import app, flags, logging
 
+from hla_jax.core.errors import first_line
 from hla_jax.data.corpus import CORPUS_JSON, SPLITS, text_files, token_dtype
 from hla_jax.data.tokenizers import load_tokenizer, optional_import, train_bpe
 
@@ -97,13 +98,10 @@ def _named(where: str, kind: str, documents):
     turned into one that names ``where``."""
     try:
         yield from documents
-    except InputError:
+    except (InputError, ImportError):  # ImportError: an optional dependency, with its install line
         raise
     except Exception as e:  # OSError, gzip/UTF-8 decoding, pyarrow's, datasets' errors
-        while (e.__cause__ or e.__context__) is not None:
-            e = e.__cause__ or e.__context__
-        text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise InputError(f"{where}: cannot be read as {kind} ({type(e).__name__}: {text})") from e
+        raise InputError(f"{where}: cannot be read as {kind} ({first_line(e)})") from e
 
 
 def read_file(path: pathlib.Path, field: str = "text"):

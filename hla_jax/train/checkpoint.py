@@ -26,6 +26,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from hla_jax.core.errors import first_line
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or no checkpoint of a run could be read back."""
@@ -94,26 +96,14 @@ def checksum(tree) -> int:
     return int(_checksum(tree))
 
 
-def _first_line(error: BaseException, limit: int = 300) -> str:
-    """``Type: message`` of the innermost cause (e.g. tensorstore's under orbax's; a context that
-    was raised ``from None`` does not count), one line."""
-    while True:
-        inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
-        if inner is None:
-            break
-        error = inner
-    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return f"{type(error).__name__}: {text[:limit]}"
-
-
 def _found(directory: pathlib.Path, error: BaseException) -> str:
     """What a failed restore of the checkpoint ``directory`` found: its empty files (a
     checkpoint has none), else the error."""
     empty = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
                    if p.is_file() and p.stat().st_size == 0)
     if empty:
-        return f"has empty files {', '.join(empty)} ({_first_line(error)})"
-    return f"gives {_first_line(error)}"
+        return f"has empty files {', '.join(empty)} ({first_line(error)})"
+    return f"gives {first_line(error)}"
 
 
 class Checkpointer:
@@ -164,7 +154,7 @@ class Checkpointer:
 
     def _failed(self, step, error) -> str:
         kept = sorted(self.manager.all_steps())
-        cause = _first_line(error) if error is not None else "it is not among the saved steps"
+        cause = first_line(error) if error is not None else "it is not among the saved steps"
         return (f"saving checkpoint step {step} in {self.directory} failed ({cause}); the "
                 f"checkpoints of steps {kept} are kept")
 
@@ -234,7 +224,7 @@ class Checkpointer:
             return
         try:
             self.close()
-        except Exception as e:  # its context is the error in flight: not _first_line
+        except Exception as e:  # its context is the error in flight: not first_line
             logging.warning("while stopping on an error: %s: %s", type(e).__name__,
                             (str(e).splitlines() or [""])[0])
 
