@@ -77,14 +77,13 @@ def load_model(workdir):
     tx = make_optimizer(c.optim, c.train.num_steps)
     rules = tuple(tuple(r) for r in c.mesh.rules)
     graphdef, params, rest, opt_state, sh = init_state(model_cfg, c.seed, mesh, rules, tx)
-    ckpt = Checkpointer(pathlib.Path(workdir).absolute() / "checkpoints", async_save=False)
-    step = ckpt.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
-    abstract = abstract_with_shardings({"params": params, "opt_state": opt_state},
-                                       {"params": sh["params"], "opt_state": sh["opt_state"]})
-    state, _ = ckpt.restore(step, abstract)
-    ckpt.close()
+    with Checkpointer(pathlib.Path(workdir).absolute() / "checkpoints", async_save=False) as ckpt:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
+        abstract = abstract_with_shardings({"params": params, "opt_state": opt_state},
+                                           {"params": sh["params"], "opt_state": sh["opt_state"]})
+        state, _ = ckpt.restore(step, abstract)
     return c, nnx.merge(graphdef, state["params"], rest), step
 
 
@@ -258,10 +257,8 @@ def yaml_value(text: str):
 
 def checkpoint_step(workdir) -> int | None:
     """The step of ``workdir``'s latest checkpoint (None without one)."""
-    ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", async_save=False)
-    step = ckpt.latest_step()
-    ckpt.close()
-    return step
+    with Checkpointer(pathlib.Path(workdir) / "checkpoints", async_save=False) as ckpt:
+        return ckpt.latest_step()
 
 
 def train_workdirs(configs: dict, root) -> dict:

@@ -5,11 +5,14 @@
 
 runs ``python -m hla_jax.main`` with the flags after ``--`` in ``--processes`` processes, each
 with ``--devices_per_process`` CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count``)
-and ``--config.mesh.multihost=True`` pointed at a coordinator on ``127.0.0.1``: one mesh spans all
-processes, each loads only its own rows of every global batch, collectives go through gloo. This
-is a multi-host run on one machine (to test one, or to check a config before a cluster); on a
-real cluster run ``hla_jax.main`` itself on every host with ``--config.mesh.multihost=True``.
-When one process fails the others are stopped; the exit status is the first failure's.
+and ``--config.mesh.multihost=True`` pointed at a coordinator that listens on ``127.0.0.1``
+only (``mesh.coordinator_bind``): one mesh spans all processes, each loads only its own rows of
+every global batch, collectives go through gloo. This is a multi-host run on one machine (to
+test one, or to check a config before a cluster); on a real cluster run ``hla_jax.main`` itself
+on every host with ``--config.mesh.multihost=True``. Every process is watched: when any one
+exits with a non-zero status the others are stopped (SIGTERM, SIGKILL 3 s later) and the
+launcher exits with that status (128 + the signal for a process killed by one, as a shell
+reports it).
 """
 
 import os
@@ -47,34 +50,34 @@ def main_commands(args, processes: int, port: int) -> list[list[str]]:
     """``python -m hla_jax.main *args`` for each process id, with the multi-process mesh flags."""
     return [[sys.executable, "-m", "hla_jax.main", *args, "--config.mesh.multihost=True",
              f"--config.mesh.coordinator=127.0.0.1:{port}",
+             f"--config.mesh.coordinator_bind=127.0.0.1:{port}",
              f"--config.mesh.num_processes={processes}", f"--config.mesh.process_id={i}"]
             for i in range(processes)]
 
 
 def run_all(commands, env, timeout: float | None = None) -> int:
-    """Start every command, wait for all; on the first failure (or ``timeout`` seconds) stop the
-    others (SIGTERM, then SIGKILL after 10 s). Returns 0 or the first non-zero exit status
-    (-signal for a process killed by a signal, 124 on timeout)."""
+    """Start every command and watch them all: the first one to exit with a non-zero status (or
+    ``timeout`` seconds) stops the others (``stop``: SIGTERM, then SIGKILL 3 s later).
+    Returns 0 when all exit 0, else the first failure's status (-signal for a process killed by a
+    signal, 124 on timeout)."""
     procs = [subprocess.Popen(cmd, env=env) for cmd in commands]
     deadline = None if timeout is None else time.monotonic() + timeout
-    status = 0
     try:
-        while status == 0 and any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if failed:
-                status = failed[0]
-            elif deadline is not None and time.monotonic() > deadline:
+        while True:
+            codes = [p.poll() for p in procs]
+            status = next((c for c in codes if c), 0)
+            if status or None not in codes:
+                break
+            if deadline is not None and time.monotonic() > deadline:
                 status = 124
-            else:
-                time.sleep(0.05)
-        if status == 0:
-            status = next((p.returncode for p in procs if p.returncode), 0)
+                break
+            time.sleep(0.05)
     finally:
         stop(procs)
     return status
 
 
-def stop(procs, grace: float = 10.0):
+def stop(procs, grace: float = 3.0):
     """SIGTERM the running ``procs``, SIGKILL those still running after ``grace`` seconds."""
     for p in procs:
         if p.poll() is None:
@@ -88,6 +91,11 @@ def stop(procs, grace: float = 10.0):
             p.wait()
 
 
+def exit_status(status: int) -> int:
+    """``run_all``'s status as a shell reports it: a process killed by signal ``s`` -> 128 + s."""
+    return 128 - status if status < 0 else status
+
+
 def main(argv):
     if _PROCESSES.value < 1 or _DEVICES.value < 1:
         print(f"--processes and --devices_per_process must be >= 1, got {_PROCESSES.value}, "
@@ -95,7 +103,7 @@ def main(argv):
         sys.exit(1)
     port = _PORT.value or free_port()
     commands = main_commands(argv[1:], _PROCESSES.value, port)
-    sys.exit(run_all(commands, cpu_env(_DEVICES.value)))
+    sys.exit(exit_status(run_all(commands, cpu_env(_DEVICES.value))))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ field. Re-running with the same ``--workdir`` resumes from its newest checkpoint
 ``hla_jax.train.train_and_evaluate(config, workdir)`` directly.
 
 A bad command line (a flag, the config file, a ``--config.*`` override: errors while parsing
-them), a bad setting (ValueError), a non-finite loss (FloatingPointError) or a checkpoint that
-cannot be written or read (CheckpointError) prints one line to stderr, no traceback (it is
-logged at ``--verbosity=1``), and exits with status 1.
+them), a bad setting or damaged data (ValueError), a non-finite loss (FloatingPointError) or a
+checkpoint that cannot be written or read (CheckpointError) prints one line to stderr, no
+traceback (it is logged at ``--verbosity=1``), and exits with status 1; any other error prints
+its type and first line the same way, and Ctrl-C exits with status 130.
 """
 
 import logging as std_logging
@@ -16,6 +17,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from hla_jax.core.errors import root_cause
 from hla_jax.train import CheckpointError, train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].", lock_config=True)
@@ -29,16 +31,10 @@ class _QuietOrbax(std_logging.Filter):
         return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
 
 
-def _fail(message: str):
+def _fail(message: str, status: int = 1):
     logging.debug("traceback (shown with --verbosity=1):", exc_info=True)
     print(message, file=sys.stderr)
-    sys.exit(1)
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    while (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__
-    return error
+    sys.exit(status)
 
 
 def _parse(argv):
@@ -47,7 +43,7 @@ def _parse(argv):
     try:
         return flags.FLAGS(argv)
     except Exception as e:  # flags.Error; a KeyError: an override naming no config field
-        root = _root_cause(e)
+        root = root_cause(e)
         text = (str(root).strip().splitlines() or [type(root).__name__])[0]
         if isinstance(e, flags.Error):
             flag = str(e).split(": ", 1)[0]
@@ -67,11 +63,16 @@ def main(argv):
         config = _CONFIG.value
         config.keys()  # a config file that failed to load raises on first use
     except OSError as e:
-        _fail(f"--config: {str(_root_cause(e)).strip().splitlines()[-1].strip()}")
+        _fail(f"--config: {str(root_cause(e)).strip().splitlines()[-1].strip()}")
     try:
         train_and_evaluate(config, _WORKDIR.value)
     except (ValueError, FloatingPointError, CheckpointError) as e:
         _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted", status=130)
+    except Exception as e:  # e.g. OSError: the disk filled up while writing metrics
+        _fail(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]} (the traceback: "
+              f"--verbosity=1)")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def main(process_id, num_processes, port, docs, workdir) -> int:
 
     c = tiny_lm_config(docs, 8, {"mesh.data": 2, "mesh.sequence": 2, "mesh.multihost": True,
                                  "mesh.coordinator": f"127.0.0.1:{port}",
+                                 "mesh.coordinator_bind": f"127.0.0.1:{port}",
                                  "mesh.num_processes": int(num_processes),
                                  "mesh.process_id": int(process_id)})
     sharding.maybe_initialize_distributed(c.mesh)

@@ -20,7 +20,7 @@ import pytest
 from helpers import ROOT, compilation_cache_restored, tiny_lm_config, tiny_lm_flags, write_docs
 from jax.experimental.compilation_cache import compilation_cache
 
-from hla_jax.train import CheckpointError, read_metrics, train_and_evaluate
+from hla_jax.train import Checkpointer, CheckpointError, read_metrics, train_and_evaluate
 from hla_jax.train import trainer as trainer_lib
 
 RUN = {"train.checkpoint_every": 2, "train.eval_every": 4, "train.eval_steps": 1,
@@ -129,16 +129,19 @@ def damage(checkpoint: pathlib.Path, how: str):
             f.write(bytes(b ^ 0xFF for b in data))
 
 
-def test_unreadable_newest_checkpoints_are_named_and_skipped(docs, uninterrupted, tmp_path, caplog):
+def test_unreadable_newest_checkpoints_are_named_and_skipped(docs, uninterrupted, tmp_path,
+                                                             cache_dir, caplog):
     """Checkpoint 6 truncated, 4 corrupted (tensorstore reads it; its checksum does not match):
     each is named in a warning and set aside, the run resumes from 2 and ends with the
-    uninterrupted losses. With every checkpoint unreadable: CheckpointError, nothing trained."""
+    uninterrupted losses. With every checkpoint unreadable: CheckpointError saying what a
+    checkpoint must hold and what the newest holds, nothing trained; on the command line one
+    line, status 1 (the metric writers closed: no traceback at exit)."""
     train_and_evaluate(tiny_lm_config(docs, 6, RUN), tmp_path)
     damage(tmp_path / "checkpoints" / "6", "truncate")
     damage(tmp_path / "checkpoints" / "4", "corrupt")
     train_and_evaluate(tiny_lm_config(docs, 8, RUN), tmp_path)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    for step, cause in ((6, "OUT_OF_RANGE"), (4, "checksum")):
+    for step, cause in ((6, "has empty files state/ocdbt.process_0/d/"), (4, "checksum")):
         assert any(f"checkpoints/{step} is unreadable" in w and cause in w
                    and "resuming from step 2" in w for w in warnings), warnings
     assert sorted(os.listdir(tmp_path / "checkpoints-unreadable")) == ["4", "6"]
@@ -146,10 +149,24 @@ def test_unreadable_newest_checkpoints_are_named_and_skipped(docs, uninterrupted
 
     for step in os.listdir(tmp_path / "checkpoints"):
         damage(tmp_path / "checkpoints" / step, "truncate")
-    c = tiny_lm_config(docs, 10, RUN)
-    with pytest.raises(CheckpointError, match="no checkpoint in .* can be restored"):
-        train_and_evaluate(c, tmp_path)
+    (tmp_path / "checkpoints" / "8" / "meta" / "metadata").write_text("")
+    steps = sorted((int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()),
+                   reverse=True)
+    message = (f"no checkpoint in {tmp_path}/checkpoints can be restored (steps {steps}): each "
+               f"must hold, whole, this config's parameters and optimizer state (state/) and the "
+               f"step and data position (meta/); the newest, step 8, has empty files "
+               f"meta/metadata, state/ocdbt.process_0/d/")
+    with pytest.raises(CheckpointError) as e:
+        train_and_evaluate(tiny_lm_config(docs, 10, RUN), tmp_path)
+    assert str(e.value).startswith(message) and "JSONDecodeError: Expecting value" in str(e.value)
     assert max(r["step"] for r in read_metrics(tmp_path)) == 8
+    proc = cli(docs, tmp_path, cache_dir, {"train.num_steps": 10, "train.tensorboard": True},
+               stderr=subprocess.PIPE)
+    err = proc.communicate(timeout=120)[1]
+    lines = [line for line in err.splitlines() if line.strip() and not re.match(r"[IWEF]\d{4} ",
+                                                                               line)]
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(message), err
+    assert "Traceback" not in err and "RuntimeError" not in err
 
 
 def test_unwritable_workdir_fails_before_building(docs, tmp_path, monkeypatch):
@@ -206,6 +223,8 @@ def test_nan_policy_skip_stops_after_max_bad_steps(docs, tmp_path):
     (["--config=configs/lm.py", "--config.train.nope=1"], "no config field 'nope'"),
     (["--config=configs/lm.py", "--config.train.nan_policy=maybe"],
      "train.nan_policy must be 'stop' or 'skip', got 'maybe'"),
+    (["--config=configs/lm.py", "--config.train.profile_steps=12:10"],
+     "train.profile_steps must be 'FIRST:LAST' with 1 <= FIRST <= LAST"),
 ])
 def test_bad_command_line_prints_one_line(args, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hla_jax.main", *args, f"--workdir={tmp_path}"],
@@ -214,3 +233,46 @@ def test_bad_command_line_prints_one_line(args, message, tmp_path):
              if line.strip() and not re.match(r"[IWEF]\d{4} ", line)]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
+
+
+@pytest.mark.parametrize("error, message, status", [
+    (OSError(errno.ENOSPC, "No space left on device"),
+     "OSError: [Errno 28] No space left on device (the traceback: --verbosity=1)", 1),
+    (KeyboardInterrupt(), "interrupted", 130),
+])
+def test_any_other_error_is_one_line(monkeypatch, capsys, error, message, status):
+    """Errors the trainer does not name itself are still one line, without a traceback."""
+    from hla_jax import main as main_lib
+
+    def fail(config, workdir):
+        raise error
+
+    monkeypatch.setattr(main_lib, "train_and_evaluate", fail)
+    monkeypatch.setattr(main_lib, "_CONFIG", type("Flag", (), {"value": {}})())
+    monkeypatch.setattr(main_lib, "_WORKDIR", type("Flag", (), {"value": "unused"})())
+    with pytest.raises(SystemExit) as e:
+        main_lib.main(["main"])
+    assert e.value.code == status and capsys.readouterr().err == message + "\n"
+
+
+def test_checkpointer_keeps_the_first_error(tmp_path, monkeypatch, caplog):
+    """Leaving a ``with Checkpointer`` block on an error: a save in flight that failed too is
+    logged, the first error propagates, orbax's manager is closed either way."""
+    closed = []
+    with Checkpointer(tmp_path / "checkpoints", async_save=False) as ckpt:
+        monkeypatch.setattr(ckpt.manager, "close", lambda: closed.append(True))
+    assert closed == [True]
+
+    def failed_save():
+        raise CheckpointError("saving checkpoint step 6 failed")
+
+    with pytest.raises(ValueError, match="^the first error$"):
+        with Checkpointer(tmp_path / "checkpoints", async_save=False) as ckpt:
+            monkeypatch.setattr(ckpt, "wait", failed_save)
+            monkeypatch.setattr(ckpt.manager, "close", lambda: closed.append(True))
+            raise ValueError("the first error")
+    assert closed == [True, True]
+    assert "while stopping on an error: CheckpointError: saving checkpoint step 6 failed" in caplog.text
+    with pytest.raises(CheckpointError, match="step 6 failed"):  # alone, it is the error
+        with Checkpointer(tmp_path / "checkpoints", async_save=False) as ckpt:
+            monkeypatch.setattr(ckpt, "wait", failed_save)

@@ -3,6 +3,7 @@ split (seeded), an end of document after each, dtype by vocabulary, one-line err
 training run on a prepared BPE corpus that evaluates on its validation split and samples text."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -11,11 +12,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import data_cfg
+from helpers import ROOT, data_cfg
 
 from hla_jax import data
 from hla_jax.data.corpus import token_dtype
-from hla_jax.data.prepare import prepare
+from hla_jax.data.prepare import input_field, prepare
 from hla_jax.train import train_and_evaluate
 from hla_jax.train.config import base_config
 
@@ -45,6 +46,10 @@ def inputs(tmp_path_factory):
     pq.write_table(pa.table({"body": DOCS, "id": range(40)}), root / "docs.parquet",
                    row_group_size=7)
     (root / "bad.jsonl").write_text('{"body": "fine"}\n{"body": cut\n')
+    (root / "bad.parquet").write_bytes(b"PAR1 not parquet PAR1")
+    (root / "bad.jsonl.gz").write_bytes(b"not gzip")
+    (root / "empty.jsonl").write_text("\n")
+    pq.write_table(pa.table({"content": DOCS[:10]}), root / "content.parquet")
     (root / "bad.json").write_text('{"not": "a tokenizer"}')
     datasets.Dataset.from_dict({"body": DOCS}).save_to_disk(str(root / "saved"))
     return root
@@ -108,6 +113,10 @@ def test_tokenizer_files_and_dtype(inputs, tmp_path):
     (["docs.jsonl"], dict(field="text"), "--field='text': .*docs.jsonl:1 has no such field"),
     (["docs.parquet"], dict(field="id"), "--field='id': .* has no such text column"),
     (["bad.jsonl"], dict(field="body"), "bad.jsonl:2 is not a JSON line"),
+    (["text", "bad.parquet"], {}, "bad.parquet: cannot be read as parquet \\(ArrowInvalid: "),
+    (["text", "bad.jsonl.gz"], {}, "bad.jsonl.gz: cannot be read as jsonl \\(BadGzipFile: "),
+    (["text", "empty.jsonl"], {}, "^no documents in .*empty.jsonl$"),
+    (["text", "docs.jsonl:title"], {}, "--field='title': .*docs.jsonl:1 has no such field"),
     (["hf:saved"], dict(field="text"), "--field='text': hf:.* has no such column"),
     (["text"], dict(tokenizer="gpt2"), "tokenizer must be bytes"),
     (["text"], dict(tokenizer="bad.json"), "bad.json is not a tokenizer.json"),
@@ -116,20 +125,71 @@ def test_tokenizer_files_and_dtype(inputs, tmp_path):
     ([], {}, "give at least one INPUT"),
 ])
 def test_bad_settings(inputs, tmp_path, args, kw, match):
-    paths = [f"hf:{inputs / a[3:]}" if a.startswith("hf:") else inputs / a for a in args]
+    """One error naming the flag or the input; nothing is left behind, not even the folders
+    created for ``--output``."""
+    paths = [f"hf:{inputs / a[3:]}" if a.startswith("hf:") else f"{inputs}/{a}" for a in args]
     if kw.get("tokenizer", "").endswith(".json"):
         kw = dict(kw, tokenizer=str(inputs / kw["tokenizer"]))
     with pytest.raises(ValueError, match=match):
-        run(paths, tmp_path / "out", **kw)
+        run(paths, tmp_path / "new" / "out", **kw)
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_command_line_error_is_one_line(inputs, tmp_path):
+def test_failure_leaves_an_empty_output_as_it_was(inputs, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match="no documents in"):
+        run([inputs / "text", inputs / "empty.jsonl"], tmp_path / "out", tokenizer="bpe",
+            vocab_size=300)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and not any((tmp_path / "out").iterdir())
+    run([inputs / "text"], tmp_path / "out")  # the same directory takes a rerun
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "corpus.json", "train.npy", "validation.npy"]
+
+
+def test_a_field_per_input(inputs, tmp_path):
+    """``PATH:FIELD`` names one input's field; the others take ``--field``."""
+    info = run([f"{inputs}/docs.jsonl:body", f"{inputs}/content.parquet:content",
+                f"hf:{inputs}/saved"], tmp_path / "out", field="body")
+    assert [(s["input"], s["field"], s["documents"]) for s in info["sources"]] == [
+        (f"{inputs}/docs.jsonl", "body", 40), (f"{inputs}/content.parquet", "content", 10),
+        (f"hf:{inputs}/saved", "body", 40)]
+    assert [input_field(a, "text") for a in ("hf:org/name:content", "hf:org/name", "a.jsonl",
+                                             "dir/a.jsonl:body", "c:/x")] == [
+        ("hf:org/name", "content"), ("hf:org/name", "text"), ("a.jsonl", "text"),
+        ("dir/a.jsonl", "body"), ("c:/x", "text")]
+    (tmp_path / "odd:name").write_text("a document")  # an existing path is taken whole
+    assert input_field(str(tmp_path / "odd:name"), "text") == (str(tmp_path / "odd:name"), "text")
+
+
+def test_a_smaller_vocabulary_than_asked_is_said(inputs, tmp_path, caplog):
+    info = run([inputs / "text"], tmp_path / "bpe", tokenizer="bpe", vocab_size=5000)
+    got = info["tokenizer"]["vocab_size"]
+    assert got < 5000
+    assert (f"--vocab_size=5000: the BPE learned only {got} ids from these documents"
+            in caplog.text)
+    assert info["splits"]["train"]["max_id"] < got
+
+
+@pytest.mark.parametrize("output, args, error", [
+    ("full", ["text"], "--output={tmp}/full exists and is not an empty directory"),
+    # checked before any input is read: bad.jsonl would fail
+    ("file/out", ["bad.jsonl"], "--output={tmp}/file/out cannot be written (Not a directory): "
+                                "give a directory on writable storage"),
+    ("out", ["text", "bad.parquet"], "{inputs}/bad.parquet: cannot be read as parquet "
+                                     "(ArrowInvalid: "),
+    ("out", ["text", "empty.jsonl"], "no documents in {inputs}/empty.jsonl"),
+])
+def test_command_line_error_is_one_line(inputs, tmp_path, output, args, error):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    out = subprocess.run([sys.executable, "-m", "hla_jax.data.prepare", f"--output={tmp_path / 'full'}",
-                          str(inputs / "text")], capture_output=True, text=True)
+    (tmp_path / "file").write_text("")
+    out = subprocess.run([sys.executable, "-m", "hla_jax.data.prepare",
+                          f"--output={tmp_path / output}", *(f"{inputs}/{a}" for a in args)],
+                         capture_output=True, text=True)
     assert out.returncode == 1
-    assert out.stderr == f"prepare: --output={tmp_path / 'full'} exists and is not an empty directory\n"
+    assert out.stderr.startswith("prepare: " + error.format(tmp=tmp_path, inputs=inputs))
+    assert out.stderr.count("\n") == 1 and out.stderr.endswith("\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]
 
 
 def test_training_on_a_prepared_bpe_corpus(inputs, tmp_path):
@@ -150,3 +210,75 @@ def test_training_on_a_prepared_bpe_corpus(inputs, tmp_path):
     with pytest.raises(ValueError, match="model.vocab_size=256 is smaller than the data's "
                                          "vocabulary \\(300, its tokenizer\\)"):
         data.make_sources(data_cfg(kind="tokens", path=str(corpus)), 256)
+
+
+def _set_max_id(directory, value):
+    info = json.loads((directory / "corpus.json").read_text())
+    if value is None:
+        del info["splits"]["train"]["max_id"]
+    else:
+        info["splits"]["train"]["max_id"] = value
+    (directory / "corpus.json").write_text(json.dumps(info))
+
+
+def _big_id(directory):
+    """An old corpus (no max_id) whose train.npy holds an id past the vocabulary."""
+    _set_max_id(directory, None)
+    ids = np.load(directory / "train.npy", mmap_mode="r+")
+    ids[3] = 400
+    ids.flush()
+
+
+DAMAGE = {  # how -> (damage(directory), the error after "data.path={dir}: ")
+    "missing": (lambda d: (d / "train.npy").unlink(), "token file {dir}/train.npy does not exist"),
+    "truncated": (lambda d: (d / "train.npy").write_bytes((d / "train.npy").read_bytes()[:500]),
+                  "{dir}/train.npy is not a readable .npy token file (mmap length is greater"),
+    "longer": (lambda d: (d / "train.npy").write_bytes((d / "train.npy").read_bytes() + b"x"),
+               "{dir}/train.npy is {size} bytes, its header says {size_minus_1}"),
+    "overwritten": (lambda d: np.save(d / "validation.npy", np.arange(9, dtype=np.uint8)),
+                    "{dir}/validation.npy holds 9 uint8 ids, its corpus.json says"),
+    "not npy": (lambda d: (d / "validation.npy").write_text("text"),
+                "{dir}/validation.npy is not a .npy file (it does not start with the NumPy magic)"),
+    "json cut": (lambda d: (d / "corpus.json").write_text((d / "corpus.json").read_text()[:99]),
+                 "{dir}/corpus.json is damaged (JSONDecodeError: "),
+    "tokenizer cut": (lambda d: (d / "tokenizer.json").write_text("{"),
+                      "its tokenizer does not load: tokenizer: {dir}/tokenizer.json is not a "
+                      "tokenizer.json"),
+    "tokenizer gone": (lambda d: (d / "tokenizer.json").unlink(),
+                       "its tokenizer does not load: tokenizer: {dir}/tokenizer.json is not a "
+                       "tokenizer.json (No such file"),
+    "max_id": (lambda d: _set_max_id(d, 300), "{dir}/train.npy holds id 300, outside its "
+                                              "tokenizer's vocabulary of 300"),
+    "old, big id": (_big_id, "{dir}/train.npy holds id 400, outside its tokenizer's vocabulary "
+                             "of 300"),
+}
+
+
+@pytest.fixture(scope="module")
+def bpe_corpus(inputs, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bpe") / "corpus"
+    run([inputs / "text"], directory, tokenizer="bpe", vocab_size=300)
+    return directory
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_corpus_is_named_before_training(bpe_corpus, tmp_path, how):
+    """Every file of the corpus is checked before training: the error names ``data.path`` and
+    the damaged file."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(bpe_corpus, corpus)
+    size = (corpus / "train.npy").stat().st_size
+    damage, error = DAMAGE[how]
+    damage(corpus)
+    error = f"data.path={{dir}}: {error}".format(dir=corpus, size=size + 1, size_minus_1=size)
+    with pytest.raises(ValueError) as e:
+        data.make_sources(data_cfg(kind="tokens", path=str(corpus)), 300)
+    assert str(e.value).startswith(error) and "\n" not in str(e.value)
+    if how == "truncated":  # the command line: this one line, status 1
+        proc = subprocess.run(
+            [sys.executable, "-m", "hla_jax.main", "--config=configs/lm.py:size=tiny",
+             "--config.data.kind=tokens", f"--config.data.path={corpus}",
+             "--config.model.vocab_size=0", f"--workdir={tmp_path / 'run'}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.splitlines()[-1].startswith(error)
+        assert "Traceback" not in proc.stderr

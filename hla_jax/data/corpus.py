@@ -11,6 +11,8 @@ import sysconfig
 
 import numpy as np
 
+from hla_jax.core.errors import first_line
+
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 CORPUS_JSON = "corpus.json"          # a prepared corpus's description (sources, splits, tokenizer)
 SPLITS = ("train", "validation")     # a prepared corpus's memmaps, <split>.npy
@@ -93,23 +95,62 @@ def is_bare_memmap(path) -> bool:
     return str(path).endswith(".npy")
 
 
+def _damaged(directory, path, error: Exception) -> ValueError:
+    return ValueError(f"data.path={directory}: {path} is damaged ({first_line(error)}); prepare "
+                      f"the corpus again (python -m hla_jax.data.prepare)")
+
+
 def corpus_info(directory) -> dict:
     """The ``corpus.json`` of a prepared corpus directory (ValueError naming ``data.path`` when
-    ``directory`` is not one)."""
+    ``directory`` is not one, and the file when it does not parse or lacks an entry)."""
     meta = pathlib.Path(directory) / CORPUS_JSON
     if not meta.is_file():
         raise ValueError(f"data.path must be a corpus directory written by python -m "
                          f"hla_jax.data.prepare (with {CORPUS_JSON}), got {str(directory)!r}")
-    return json.loads(meta.read_text())
+    try:
+        info = json.loads(meta.read_text())
+        for key in ("kind", "vocab_size", "eod_id"):
+            info["tokenizer"][key]
+        np.dtype(info["dtype"])
+        for split in SPLITS:
+            int(info["splits"][split]["tokens"])
+    except (ValueError, KeyError, TypeError, OSError) as e:  # JSON errors are ValueErrors
+        raise _damaged(directory, meta, e) from e
+    return info
 
 
-def load_tokens(path) -> np.ndarray:
-    """A pre-tokenized ``.npy`` file, memory-mapped read-only (1-D, unsigned integer ids)."""
+def load_tokens(path, what: str = "data.path", expected: dict | None = None) -> np.ndarray:
+    """A pre-tokenized ``.npy`` file, memory-mapped read-only (1-D, unsigned integer ids).
+
+    Args:
+      path: the ``.npy`` file.
+      what: the setting that named it, for errors.
+      expected: ``{"dtype", "tokens"}`` the file must hold (a prepared split's ``corpus.json``).
+
+    Raises:
+      ValueError: naming ``what`` and the file when it is missing, does not parse, is truncated
+        or longer than its header says, or holds other ids than expected.
+    """
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ValueError(f"data.path: token file {path} does not exist")
-    tokens = np.load(path, mmap_mode="r")
+        raise ValueError(f"{what}: token file {path} does not exist")
+    with open(path, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            raise ValueError(f"{what}: {path} is not a .npy file (it does not start with the "
+                             f"NumPy magic)")
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as e:  # a damaged header, a truncated body
+        raise ValueError(f"{what}: {path} is not a readable .npy token file ({e})") from e
     if tokens.ndim != 1 or tokens.dtype.kind != "u":
-        raise ValueError(f"data.path: {path} must hold a 1-D unsigned integer array, "
+        raise ValueError(f"{what}: {path} must hold a 1-D unsigned integer array, "
                          f"got {tokens.dtype}{list(tokens.shape)}")
+    if expected is not None and (tokens.dtype.name, tokens.size) != (expected["dtype"],
+                                                                    expected["tokens"]):
+        raise ValueError(f"{what}: {path} holds {tokens.size} {tokens.dtype} ids, its "
+                         f"{CORPUS_JSON} says {expected['tokens']} {expected['dtype']}")
+    size = path.stat().st_size
+    if size != tokens.offset + tokens.nbytes:
+        raise ValueError(f"{what}: {path} is {size} bytes, its header says "
+                         f"{tokens.offset + tokens.nbytes}")
     return tokens

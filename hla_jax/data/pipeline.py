@@ -28,6 +28,7 @@ import numpy as np
 
 from hla_jax.data import corpus
 from hla_jax.data.synthetic import MQAR, NIAH
+from hla_jax.data.tokenizers import tokenizer_for_data
 
 TRAIN, EVAL = 0, 1
 KINDS = ("text", "tokens", "mqar", "niah")
@@ -147,14 +148,32 @@ def make_sources(data, vocab_size: int):
 
 
 def _prepared_sources(data, pack: bool, separator: int):
-    """``(train, validation)`` sources of the prepared corpus directory ``data.path``."""
+    """``(train, validation)`` sources of the prepared corpus directory ``data.path``, checked
+    whole first: ``corpus.json`` parses, each split's memmap holds the dtype and length it
+    records, the tokenizer loads and its vocabulary holds every id (the largest id recorded in
+    ``corpus.json``, or read from a memmap that predates it). ValueError naming ``data.path``
+    and the file otherwise."""
     directory = pathlib.Path(data.path)
+    info = corpus.corpus_info(directory)
+    where = f"data.path={directory}"
+    splits = {s: corpus.load_tokens(directory / f"{s}.npy", where,
+                                    {"dtype": info["dtype"], **info["splits"][s]})
+              for s in corpus.SPLITS}
+    try:
+        vocab = tokenizer_for_data(data).vocab_size
+    except (ValueError, ImportError) as e:
+        raise ValueError(f"{where}: its tokenizer does not load: {e}") from e
+    for name, tokens in splits.items():
+        top = info["splits"][name].get("max_id")
+        top = int(tokens.max(initial=0)) if top is None else top
+        if top >= vocab:
+            raise ValueError(f"{where}: {directory / f'{name}.npy'} holds id {top}, outside its "
+                             f"tokenizer's vocabulary of {vocab}; prepare the corpus again")
     if pack and separator == -1:
-        separator = corpus.corpus_info(directory)["tokenizer"]["eod_id"]
+        separator = info["tokenizer"]["eod_id"]
     docs = {"separator": separator} if pack else {}
-    return tuple(TextSource(corpus.load_tokens(directory / f"{split}.npy"), data.seq_len,
-                            f"the {split} split of {directory}", **docs)
-                 for split in corpus.SPLITS)
+    return tuple(TextSource(tokens, data.seq_len, f"the {name} split of {directory}", **docs)
+                 for name, tokens in splits.items())
 
 
 def rows_for_process(batch_size: int, accum: int = 1, process_index: int = 0,

@@ -14,6 +14,8 @@ checkpoints (old steps are deleted only once a newer one is known to be complete
 ``max_to_keep`` deletes them even after a failed save).
 """
 
+import asyncio
+import contextlib
 import pathlib
 import shutil
 
@@ -24,9 +26,42 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from hla_jax.core.errors import first_line
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or no checkpoint of a run could be read back."""
+
+
+class _DrainingLoop(asyncio.SelectorEventLoop):
+    """An event loop that, when closed, first lets the tasks still pending on it finish."""
+
+    def close(self):
+        pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+        if pending and not self.is_running():
+            self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
+
+
+@contextlib.contextmanager
+def draining_event_loops():
+    """Event loops created inside finish their pending tasks before they close.
+
+    orbax runs a restore in a new event loop that it closes as soon as the result, or the first
+    error, is in: after a failed read of one array (a damaged checkpoint) the reads of the
+    others are still pending, and TensorStore completes them into the closed loop ("Event loop
+    is closed", coroutines destroyed while pending). Here they finish first."""
+
+    class Policy(asyncio.DefaultEventLoopPolicy):
+        def new_event_loop(self):
+            return _DrainingLoop()
+
+    saved = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(Policy())
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop_policy(saved)
 
 
 def _words(x):
@@ -61,12 +96,14 @@ def checksum(tree) -> int:
     return int(_checksum(tree))
 
 
-def _first_line(error: BaseException, limit: int = 300) -> str:
-    """``Type: message`` of the innermost cause (e.g. tensorstore's under orbax's), one line."""
-    while (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__
-    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return f"{type(error).__name__}: {text[:limit]}"
+def _found(directory: pathlib.Path, error: BaseException) -> str:
+    """What a failed restore of the checkpoint ``directory`` found: its empty files (a
+    checkpoint has none), else the error."""
+    empty = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                   if p.is_file() and p.stat().st_size == 0)
+    if empty:
+        return f"has empty files {', '.join(empty)} ({first_line(error)})"
+    return f"gives {first_line(error)}"
 
 
 class Checkpointer:
@@ -117,15 +154,16 @@ class Checkpointer:
 
     def _failed(self, step, error) -> str:
         kept = sorted(self.manager.all_steps())
-        cause = _first_line(error) if error is not None else "it is not among the saved steps"
+        cause = first_line(error) if error is not None else "it is not among the saved steps"
         return (f"saving checkpoint step {step} in {self.directory} failed ({cause}); the "
                 f"checkpoints of steps {kept} are kept")
 
     def restore(self, step: int, abstract_state):
         """``(state, meta)`` of ``step``; ``abstract_state`` = ShapeDtypeStructs with shardings.
         ValueError when the arrays do not match the checksum saved with them."""
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        with draining_event_loops():
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         state, meta = out["state"], out["meta"]
         if "checksum" in meta and checksum(state) != meta["checksum"]:
             raise ValueError("its arrays do not match the checksum saved with them")
@@ -147,16 +185,18 @@ class Checkpointer:
             return state, meta
         if failed:
             step, e = failed[0]
-            raise CheckpointError(f"no checkpoint in {self.directory} can be restored (steps "
-                                  f"{[s for s, _ in failed]}); the newest, step {step}: "
-                                  f"{_first_line(e)}")
+            raise CheckpointError(
+                f"no checkpoint in {self.directory} can be restored (steps "
+                f"{[s for s, _ in failed]}): each must hold, whole, this config's parameters and "
+                f"optimizer state (state/) and the step and data position (meta/); the newest, "
+                f"step {step}, {_found(self.directory / str(step), e)}")
         return None
 
     def _set_aside(self, step: int, error, resumed: int):
         source = self.directory / str(step)
         target = self.unreadable / str(step)
-        logging.warning("checkpoint %s is unreadable (%s): moved to %s; resuming from step %d",
-                        source, _first_line(error), target, resumed)
+        logging.warning("checkpoint %s is unreadable: it %s; moved to %s; resuming from step %d",
+                        source, _found(source, error), target, resumed)
         if jax.process_index() == 0:
             self.unreadable.mkdir(exist_ok=True)
             shutil.rmtree(target, ignore_errors=True)
@@ -166,8 +206,27 @@ class Checkpointer:
         self.manager.reload()
 
     def close(self):
-        self.wait()
-        self.manager.close()
+        """Wait for the save in flight (CheckpointError when it failed), then release orbax's
+        threads and event loop (also when the wait failed)."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error_type, *_):
+        """``close``; while another error propagates, a failure of the save in flight is only
+        logged (the first error is the one to report)."""
+        if error_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # its context is the error in flight: not first_line
+            logging.warning("while stopping on an error: %s: %s", type(e).__name__,
+                            (str(e).splitlines() or [""])[0])
 
 
 def abstract_with_shardings(tree, shardings):

@@ -89,6 +89,10 @@ def base_config() -> ml_collections.ConfigDict:
         peak_flops=0.0,             # peak FLOP/s per device for MFU (0 = table by device kind)
         progress_bar=True,          # tqdm bar with loss, tokens/s and MFU
         tensorboard=True,           # also write TensorBoard events when a writer is importable
+        wandb_project="",           # also log to this Weights & Biases project ("" = off;
+                                    # extra wandb; WANDB_MODE=offline etc. as wandb reads them)
+        profile_steps="",           # jax.profiler trace of steps "FIRST:LAST" (inclusive) into
+                                    # workdir/profile ("" = off)
     ))
     c.mesh = ml_collections.ConfigDict(dict(
         data=-1, fsdp=1, tensor=1,  # mesh axis sizes; one may be -1 = the remaining devices
@@ -99,6 +103,15 @@ def base_config() -> ml_collections.ConfigDict:
         coordinator="",             # multihost: "host:port" of process 0 ("" = auto-detected)
         num_processes=0,            # multihost: processes in all (0 = auto-detected)
         process_id=-1,              # multihost: this process's id (-1 = auto-detected)
+        coordinator_bind="",        # multihost: "host:port" process 0's coordinator listens on
+                                    # ("" = JAX's default: every interface, coordinator's port)
+        mtls=dict(cert_file="",     # multihost: mutual TLS of the coordination service: this
+                  key_file="",      # host's PEM certificate chain, its private key and the CA
+                  ca_file="",       # bundle that verifies the peers ("" = plain TCP)
+                  peer_uri_prefix="",  # accept a peer iff a URI SAN starts with it ("" = host
+                                       # name verification)
+                  required=False),  # refuse to start without mTLS (JAX's
+                                    # verify_secure_credentials)
         rules=(("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv", None),
                ("mlp", "tensor"), ("levels", None), ("conv", None)),  # logical -> mesh axis
     ))
@@ -136,6 +149,20 @@ def mixer_pattern(pattern: str) -> tuple:
     if bad:
         raise ValueError(f"unknown mixer(s) {bad} in {pattern!r}; valid: {MIXERS}")
     return names
+
+
+def profile_steps(spec: str) -> tuple[int, int] | None:
+    """``train.profile_steps`` -> ``(first, last)`` (inclusive), None when off: ``"10:12"`` or
+    ``""``. ValueError naming the field otherwise."""
+    if not spec:
+        return None
+    try:
+        first, last = (int(x) for x in str(spec).split(":"))
+    except ValueError:
+        first = last = 0
+    _require(1 <= first <= last, f"train.profile_steps must be 'FIRST:LAST' with 1 <= FIRST <= "
+                                 f"LAST (the steps to trace, inclusive), or '' (off); got {spec!r}")
+    return first, last
 
 
 def _require(ok: bool, message: str):
@@ -178,6 +205,7 @@ def check_config(c, batch_shards: int = 1, process_count: int = 1,
     _require(t.nan_policy in ("stop", "skip"),
              f"train.nan_policy must be 'stop' or 'skip', got {t.nan_policy!r}")
     _require(t.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {t.max_bad_steps}")
+    profile_steps(t.profile_steps)
     _require(d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}")
     micro, split = divmod(d.batch_size, o.grad_accum)
     _require(split == 0 and micro % batch_shards == 0 and micro % process_count == 0,

@@ -1,11 +1,15 @@
-"""Metrics: JSONL always, TensorBoard event files when a writer library is importable, and the
-peak-FLOPs table behind MFU = achieved model FLOP/s ÷ (peak FLOP/s per device × devices)."""
+"""Metrics: JSONL always, TensorBoard event files when a writer library is importable, Weights &
+Biases when a project is named, the peak-FLOPs table behind MFU = achieved model FLOP/s ÷ (peak
+FLOP/s per device × devices), and ``jax.profiler`` traces of chosen steps."""
 
 import contextlib
+import importlib
 import json
 import pathlib
+import secrets
 import time
 
+import jax
 from absl import logging
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity), matched by substring of
@@ -54,18 +58,39 @@ def _tensorboard(logdir: pathlib.Path):
         return None
 
 
+def _wandb_run(workdir: pathlib.Path, project: str, config: dict):
+    """A Weights & Biases run of ``project`` for ``workdir`` (its files under ``workdir/wandb``):
+    the same run again when the workdir resumes (its id is kept in ``workdir/wandb_run_id``).
+    ValueError naming ``train.wandb_project`` when wandb is not installed."""
+    try:
+        wandb = importlib.import_module("wandb")
+    except ImportError as e:
+        raise ValueError(f"train.wandb_project={project!r} needs wandb, which is not installed: "
+                         f"pip install 'hla_jax[wandb]' (or train.wandb_project='')") from e
+    id_file = workdir / "wandb_run_id"
+    if not id_file.exists():
+        id_file.write_text(secrets.token_hex(4))
+    return wandb.init(project=project, dir=str(workdir), name=workdir.name, config=config,
+                      id=id_file.read_text().strip(), resume="allow")
+
+
 class MetricWriter:
     """Appends ``{"step", "split", **metrics}`` lines to ``workdir/metrics.jsonl`` and mirrors
-    the scalars to TensorBoard (``workdir/tensorboard``) when available. Only process 0 writes."""
+    the scalars to TensorBoard (``workdir/tensorboard``) when available and to the Weights &
+    Biases project ``wandb_project`` when one is named (``wandb_config``: the run's config).
+    Only process 0 writes."""
 
-    def __init__(self, workdir, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, workdir, enabled: bool = True, tensorboard: bool = True,
+                 wandb_project: str = "", wandb_config: dict | None = None):
         self.enabled = enabled
-        self.tb = None
+        self.tb = self.wandb = None
         if not enabled:
             return
         workdir = pathlib.Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self.path = workdir / "metrics.jsonl"
+        if wandb_project:
+            self.wandb = _wandb_run(workdir, wandb_project, wandb_config or {})
         if tensorboard:
             self.tb = _tensorboard(workdir / "tensorboard")
             if self.tb is None:
@@ -84,19 +109,64 @@ class MetricWriter:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": int(step), "split": split, **metrics}) + "\n")
+        scalars = {f"{split}/{k}": float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.tb is not None:
             scalar, flush, _ = self.tb
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    scalar(f"{split}/{k}", float(v), int(step))
+            for tag, v in scalars.items():
+                scalar(tag, v, int(step))
             flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=int(step))
 
-
-    def close(self):
-        """Flush and close the TensorBoard writer (its events may be queued until then)."""
+    def close(self, failed: bool = False):
+        """Flush and close the TensorBoard writer (its events may be queued until then) and
+        finish the Weights & Biases run (marked failed when ``failed``)."""
         if self.tb is not None:
             self.tb[2]()
             self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=int(failed))
+            self.wandb = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error_type, *_):
+        self.close(failed=error_type is not None)
+
+
+class StepTrace:
+    """A ``jax.profiler`` trace of the train steps ``first..last`` (``steps``; None: off) into
+    ``directory`` (TensorBoard's profile plugin and Perfetto read it): ``before(step)`` and
+    ``after(step, outputs)`` around each step (the last waits for its outputs before the trace
+    stops); ``close`` stops a trace still running (a run that stopped inside the range)."""
+
+    def __init__(self, directory: pathlib.Path, steps: tuple[int, int] | None):
+        self.directory, self.steps, self.running = directory, steps, False
+
+    def before(self, step: int):
+        """Start the trace at the range's first step (or the first one run: a resumed run)."""
+        if self.steps is not None and not self.running and self.steps[0] <= step <= self.steps[1]:
+            jax.profiler.start_trace(str(self.directory))
+            self.running = True
+            logging.info("profiling steps %d to %d into %s", step, self.steps[1], self.directory)
+
+    def after(self, step: int, outputs):
+        if self.running and step == self.steps[1]:
+            jax.block_until_ready(outputs)
+            self.close()
+
+    def close(self):
+        if self.running:
+            jax.profiler.stop_trace()
+            self.running = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.close()
 
 
 def read_metrics(workdir, split: str | None = None) -> list[dict]:

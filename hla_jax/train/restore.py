@@ -11,6 +11,7 @@ from. ``python -m hla_jax.sample`` and ``python -m hla_jax.evaluate`` start here
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -22,6 +23,7 @@ from flax import nnx
 
 from hla_jax.data.tokenizers import Tokenizer, tokenizer_for_data
 from hla_jax.nn import LM, ModelConfig
+from hla_jax.train.checkpoint import draining_event_loops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,30 +68,32 @@ def load_run(workdir, step: int | None = None, device=None) -> Run:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"workdir: the run's tokenizer {tokenizer.name} has {tokenizer.vocab_size} "
                          f"ids, more than its model.vocab_size={model_cfg.vocab_size}")
-    manager = _manager(workdir)
-    steps = sorted(manager.all_steps())
-    if not steps:
-        raise ValueError(f"workdir: {manager.directory} holds no complete checkpoint")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise ValueError(f"step: checkpoint {step} is not in {manager.directory}; saved: {steps}")
+    with contextlib.closing(_manager(workdir)) as manager:
+        steps = sorted(manager.all_steps())
+        if not steps:
+            raise ValueError(f"workdir: {manager.directory} holds no complete checkpoint")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise ValueError(f"step: checkpoint {step} is not in {manager.directory}; saved: "
+                             f"{steps}")
 
-    on_device = jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0])
+        on_device = jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0])
 
-    def split(model):
-        return nnx.split(model, nnx.Param, ...)
+        def split(model):
+            return nnx.split(model, nnx.Param, ...)
 
-    graphdef, abstract, rest = split(nnx.eval_shape(lambda: LM(model_cfg, rngs=nnx.Rngs(0))))
-    if jax.tree.leaves(rest):
-        # non-parameter state is not checkpointed: rebuilt as the trainer built it (XLA drops
-        # the parameter initialisers, whose results are unused)
-        rest = jax.jit(lambda key: split(LM(model_cfg, rngs=nnx.Rngs(key)))[2],
-                       out_shardings=on_device)(jax.random.key(config.seed))
-    target = {"params": jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device), abstract)}
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True)))
-    manager.close()
+        graphdef, abstract, rest = split(nnx.eval_shape(lambda: LM(model_cfg, rngs=nnx.Rngs(0))))
+        if jax.tree.leaves(rest):
+            # non-parameter state is not checkpointed: rebuilt as the trainer built it (XLA
+            # drops the parameter initialisers, whose results are unused)
+            rest = jax.jit(lambda key: split(LM(model_cfg, rngs=nnx.Rngs(key)))[2],
+                           out_shardings=on_device)(jax.random.key(config.seed))
+        target = {"params": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device), abstract)}
+        with draining_event_loops():
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=True)))
     model = nnx.merge(graphdef, restored["state"]["params"], rest)
     return Run(config=config, model=model, tokenizer=tokenizer, step=step)

@@ -10,6 +10,7 @@ then run under ``jax.set_mesh`` (``on_mesh``).
 """
 
 import math
+import pathlib
 
 import jax
 import numpy as np
@@ -27,8 +28,9 @@ DEFAULT_RULES = (("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("
 def maybe_initialize_distributed(mesh_cfg):
     """``jax.distributed.initialize`` when ``mesh.multihost`` is set: the coordinator, process
     count and process id from ``mesh.coordinator``, ``num_processes``, ``process_id`` where given
-    (``hla_jax.launch`` gives them), else auto-detected from the cluster's environment. CPU
-    devices of different processes exchange through gloo."""
+    (``hla_jax.launch`` gives them), else auto-detected from the cluster's environment; the
+    coordinator's listening address from ``mesh.coordinator_bind`` and mutual TLS from
+    ``mesh.mtls`` where given. CPU devices of different processes exchange through gloo."""
     if not mesh_cfg.multihost or jax.distributed.is_initialized():
         return
     n, i = mesh_cfg.num_processes, mesh_cfg.process_id
@@ -38,7 +40,32 @@ def maybe_initialize_distributed(mesh_cfg):
                          f"auto-detected)")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(mesh_cfg.coordinator or None, mesh_cfg.num_processes or None,
-                               None if mesh_cfg.process_id < 0 else mesh_cfg.process_id)
+                               None if mesh_cfg.process_id < 0 else mesh_cfg.process_id,
+                               coordinator_bind_address=mesh_cfg.coordinator_bind or None,
+                               **mtls_arguments(mesh_cfg.mtls))
+
+
+def mtls_arguments(mtls) -> dict:
+    """``jax.distributed.initialize``'s mutual-TLS arguments from ``mesh.mtls`` (none when no
+    file is given); ValueError naming the field when only some files are given or one is
+    missing."""
+    files = {k: str(mtls[k]) for k in ("cert_file", "key_file", "ca_file")}
+    given = [k for k, v in files.items() if v]
+    if given and len(given) < len(files):
+        raise ValueError(f"mesh.mtls: give cert_file, key_file and ca_file together, got only "
+                         f"{', '.join(given)}")
+    for k, v in files.items():
+        if v and not pathlib.Path(v).is_file():
+            raise ValueError(f"mesh.mtls.{k}: {v} does not exist")
+    for k in ("peer_uri_prefix", "required"):
+        if mtls[k] and not given:
+            raise ValueError(f"mesh.mtls.{k}={mtls[k]!r} needs cert_file, key_file and ca_file")
+    out = {f"mtls_{k}": v for k, v in files.items() if v}
+    if mtls.peer_uri_prefix:
+        out["mtls_peer_uri_prefix"] = str(mtls.peer_uri_prefix)
+    if mtls.required:
+        out["verify_secure_credentials"] = True
+    return out
 
 
 def mesh_shape(mesh_cfg, n_devices: int) -> tuple:

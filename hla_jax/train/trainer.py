@@ -11,6 +11,7 @@ and stops only after ``train.max_bad_steps`` consecutive skips. A ``workdir`` th
 written is a ValueError before anything is built; a failed save a CheckpointError.
 """
 
+import contextlib
 import json
 import math
 import pathlib
@@ -29,8 +30,8 @@ from hla_jax import data as data_lib
 from hla_jax.nn import LM, flops_per_token, generate, param_count
 from hla_jax.train import sharding
 from hla_jax.train.checkpoint import Checkpointer, abstract_with_shardings
-from hla_jax.train.config import check_config
-from hla_jax.train.metrics import MetricWriter, peak_flops
+from hla_jax.train.config import check_config, profile_steps
+from hla_jax.train.metrics import MetricWriter, StepTrace, peak_flops
 from hla_jax.train.optim import make_optimizer, make_schedule
 from hla_jax.train.steps import eval_summary, make_eval_step, make_train_step
 
@@ -124,8 +125,13 @@ def sample_text(graphdef, params, rest, source, c, step, tokenizer) -> dict:
 
 def train_and_evaluate(config, workdir) -> dict:
     """Train ``config`` (see ``hla_jax.train.config.base_config``), writing checkpoints,
-    ``metrics.jsonl`` and ``config.json`` under ``workdir``. Returns the last train/eval metrics."""
-    c, workdir = config, pathlib.Path(workdir).absolute()
+    ``metrics.jsonl`` and ``config.json`` under ``workdir``. Returns the last train/eval metrics.
+    The metric writer, the checkpointer and the progress bar are closed on every exit."""
+    with contextlib.ExitStack() as opened:
+        return _train(config, pathlib.Path(workdir).absolute(), opened)
+
+
+def _train(c, workdir: pathlib.Path, opened: contextlib.ExitStack) -> dict:
     sharding.maybe_initialize_distributed(c.mesh)
     mesh = sharding.make_mesh(c.mesh)
     proc = sharding.batch_block(mesh)  # this process's block of the rows of every batch
@@ -137,12 +143,16 @@ def train_and_evaluate(config, workdir) -> dict:
     tx = make_optimizer(c.optim, c.train.num_steps)
     schedule = make_schedule(c.optim, c.train.num_steps)
     lead = jax.process_index() == 0
-    writer = MetricWriter(workdir, enabled=lead, tensorboard=c.train.tensorboard)
+    saved = saved_config(c)
+    writer = opened.enter_context(MetricWriter(
+        workdir, enabled=lead, tensorboard=c.train.tensorboard,
+        wandb_project=c.train.wandb_project, wandb_config=json.loads(saved.to_json_best_effort())))
     if lead:
-        (workdir / "config.json").write_text(saved_config(c).to_json_best_effort(indent=2))
+        (workdir / "config.json").write_text(saved.to_json_best_effort(indent=2))
 
     graphdef, params, rest, opt_state, sh = init_state(model_cfg, c.seed, mesh, rules, tx)
-    ckpt = Checkpointer(workdir / "checkpoints", c.train.keep_checkpoints, c.train.async_checkpoint)
+    ckpt = opened.enter_context(Checkpointer(workdir / "checkpoints", c.train.keep_checkpoints,
+                                             c.train.async_checkpoint))
     start, position = 0, 0
     if ckpt.latest_step() is not None:
         abstract = abstract_with_shardings({"params": params, "opt_state": opt_state},
@@ -177,9 +187,13 @@ def train_and_evaluate(config, workdir) -> dict:
     samples = c.data.kind in ("text", "tokens") and c.train.sample_tokens > 0 and c.train.eval_steps > 0
     tokenizer = data_lib.tokenizer_for_data(c.data) if samples else None
 
-    bar = tqdm.tqdm(total=c.train.num_steps, initial=start, disable=not (lead and c.train.progress_bar),
-                    dynamic_ncols=True, desc="train")
+    bar = opened.enter_context(tqdm.tqdm(
+        total=c.train.num_steps, initial=start, disable=not (lead and c.train.progress_bar),
+        dynamic_ncols=True, desc="train"))
     pending, last, bad_run = [], {"step": start}, 0  # bad_run: consecutive non-finite steps
+    trace = opened.enter_context(StepTrace(
+        workdir / "profile" / (f"process_{jax.process_index()}" if jax.process_count() > 1 else ""),
+        profile_steps(c.train.profile_steps)))
 
     def flush(step):
         """Fetch the metrics of the steps since the last flush; on a non-finite value stop, or
@@ -195,8 +209,6 @@ def train_and_evaluate(config, workdir) -> dict:
                     logging.warning("%s: update skipped (%d in a row)", what, bad_run)
                 continue
             ckpt.wait()
-            bar.close()
-            writer.close()
             good = ckpt.latest_step()
             kept = (f"the last good checkpoint (step {good}) is kept in {ckpt.directory}"
                     if good is not None else f"no checkpoint had been saved in {ckpt.directory}")
@@ -218,7 +230,10 @@ def train_and_evaluate(config, workdir) -> dict:
 
     for step in range(start + 1, c.train.num_steps + 1):
         batch = sharding.global_batch(next(train_it), mesh, c.data.batch_size // c.optim.grad_accum)
-        params, opt_state, m = train_step(params, opt_state, rest, batch)
+        trace.before(step)
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            params, opt_state, m = train_step(params, opt_state, rest, batch)
+        trace.after(step, m)
         pending.append((step, m))
         meter.steps += 1
         bar.update(1)
@@ -243,8 +258,4 @@ def train_and_evaluate(config, workdir) -> dict:
             ckpt.save(step, {"params": params, "opt_state": opt_state}, train_it.position)
         if do_eval or do_save:
             meter.reset()
-    bar.close()
-    writer.close()
-    ckpt.wait()
-    ckpt.close()
     return last
