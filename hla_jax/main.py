@@ -1,7 +1,8 @@
-"""Command-line entry: ``python -m hla_jax.main --config=configs/lm.py:size=tiny --workdir=DIR``.
+"""Train: ``.venv/bin/python -m hla_jax.main --config=configs/lm.py:size=tiny --workdir=DIR``.
 
-``--config=FILE:ARGS`` calls ``FILE``'s ``get_config(ARGS)``; ``--config.a.b=v`` overrides any
-field. Re-running with the same ``--workdir`` resumes from its newest checkpoint. A notebook calls
+``--config=FILE:ARGS`` calls ``FILE``'s ``get_config(ARGS)`` (``configs/NAME.py`` is found in
+the installed package from any directory); ``--config.a.b=v`` overrides any field. Re-running
+with the same ``--workdir`` resumes from its newest checkpoint. A notebook calls
 ``hla_jax.train.train_and_evaluate(config, workdir)`` directly.
 
 A bad command line (a flag, the config file, a ``--config.*`` override: errors while parsing
@@ -11,14 +12,14 @@ logged at ``--verbosity=1``), and exits with status 1.
 """
 
 import logging as std_logging
-import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from hla_jax import cli
 from hla_jax.train import CheckpointError, train_and_evaluate
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", None, cli.config_help(), lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics go here.", required=True)
 
 
@@ -29,51 +30,19 @@ class _QuietOrbax(std_logging.Filter):
         return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
 
 
-def _fail(message: str):
-    logging.debug("traceback (shown with --verbosity=1):", exc_info=True)
-    print(message, file=sys.stderr)
-    sys.exit(1)
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    while (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__
-    return error
-
-
-def _parse(argv):
-    """absl's flag parsing with each error as one line: the flag and the innermost cause (e.g.
-    the ValueError of the config file's ``get_config``), or the unknown ``--config.*`` field."""
-    try:
-        return flags.FLAGS(argv)
-    except Exception as e:  # flags.Error; a KeyError: an override naming no config field
-        root = _root_cause(e)
-        text = (str(root).strip().splitlines() or [type(root).__name__])[0]
-        if isinstance(e, flags.Error):
-            flag = str(e).split(": ", 1)[0]
-            _fail(f"{flag}: {text}" if root is not e and flag.startswith("flag ") else text)
-        if isinstance(root, (KeyError, AttributeError)):
-            overrides = " ".join(a for a in argv if a.startswith("--config."))
-            _fail(f"no config field {text} (in {overrides}); fields: hla_jax/train/config.py")
-        _fail(f"{type(root).__name__}: {text}")
-
-
 def main(argv):
-    if len(argv) > 1:
-        _fail(f"unexpected arguments: {argv[1:]} (flags are --config=FILE[:ARGS], --config.a.b=V, "
-              f"--workdir=DIR)")
     logging.get_absl_handler().addFilter(_QuietOrbax())
     try:
         config = _CONFIG.value
         config.keys()  # a config file that failed to load raises on first use
     except OSError as e:
-        _fail(f"--config: {str(_root_cause(e)).strip().splitlines()[-1].strip()}")
+        cli.fail(f"--config: {str(cli.root_cause(e)).strip().splitlines()[-1].strip()}")
     try:
         train_and_evaluate(config, _WORKDIR.value)
     except (ValueError, FloatingPointError, CheckpointError) as e:
-        _fail(str(e))
+        cli.fail(str(e))
 
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config"])
-    app.run(main, flags_parser=_parse)
+    cli.run(main)

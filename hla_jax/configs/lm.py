@@ -1,24 +1,24 @@
-"""python -m hla_jax.main --config=configs/lm.py:mixer=hla2,size=tiny --workdir=/tmp/lm_tiny
+""".venv/bin/python -m hla_jax.main --config=configs/lm.py:mixer=hla2,size=tiny --workdir=/tmp/lm_tiny
 
 Language modelling on bytes.
 
 Arguments (after the colon, comma-separated key=value):
   mixer    one of hla_jax.nn.MIXERS (default hla2), used in every layer
-  size     tiny | small | 350m | 1b (default tiny)
+  size     tiny | 30m | small | 350m | 1b (default tiny)
   pattern  hybrid stack, e.g. ``pattern=hla2+hla2+softmax`` (layer i uses entry i mod 3);
            overrides ``mixer``
 Any field can then be overridden, e.g. ``--config.train.num_steps=1000 --config.mesh.fsdp=-1``.
 Data defaults to the embedded corpus (the bytes of this Python's standard library sources),
 packed: each source file is one document (``data.pack=True``: no attention or state across files,
 no loss on a file's first byte). A real corpus: ``--config.data.kind=tokens
---config.data.path=DIR --config.model.vocab_size=0``, DIR written by ``python -m
-hla_jax.data.prepare`` (documents packed at its end-of-document token, the vocabulary its
-tokenizer's).
+--config.data.path=DIR --config.model.vocab_size=0``, DIR written by ``hla_jax.data.prepare``
+(documents packed at its end-of-document token, the vocabulary its tokenizer's).
 Field meanings: ``hla_jax/train/config.py``.
 
 Sizes (params with a 256-byte vocabulary; softmax's RoPE table covers twice the training
 length, for evaluations beyond it):
-  tiny   d=128, 2 layers, T=256, batch 16, 400 steps: 2-4 minutes on a 2-core CPU
+  tiny   d=128, 2 layers, T=256, batch 16, 400 steps: about 2-7 minutes on 2 CPU cores,
+         depending on the CPU
   30m    d=512, 10 layers, T=4096, batch 8, 1000 steps (32-35M, 33M tokens: about one pass over
          the embedded corpus): one GPU, the long-context comparison (experiments/long_context.py;
          evaluate at 2T: the RoPE table covers it)
@@ -39,8 +39,11 @@ SIZES = {
 }
 
 
+ARGS = {"mixer": "hla2", "size": "tiny", "pattern": ""}
+
+
 def get_config(arg: str | None = None):
-    args = take_args(arg, {"mixer": "hla2", "size": "tiny", "pattern": ""})
+    args = take_args(arg, ARGS)
     if args["size"] not in SIZES:
         raise ValueError(f"size must be one of {tuple(SIZES)}, got {args['size']!r}")
     d, layers, heads, T, batch, steps, lr, warmup, dtype, fsdp = SIZES[args["size"]]

@@ -1,4 +1,4 @@
-"""python -m hla_jax.main --config=configs/mqar.py:mixer=hla2,d_model=64,num_kv_pairs=16 --workdir=/tmp/mqar
+""".venv/bin/python -m hla_jax.main --config=configs/mqar.py:mixer=hla2,d_model=32 --workdir=/tmp/mqar
 
 Multi-query associative recall (Zoology / log-linear paper setup) on synthetic tokens.
 Arguments: ``mixer`` (or ``pattern=a+b``), ``d_model`` (the paper sweeps 16/32/64),
@@ -11,10 +11,11 @@ first half, values from the second. Field meanings: ``hla_jax/train/config.py``.
 
 from hla_jax.train.config import base_config, mixer_pattern, take_args
 
+ARGS = {"mixer": "hla2", "pattern": "", "d_model": 64, "num_kv_pairs": 16, "seq_len": 256}
+
 
 def get_config(arg: str | None = None):
-    args = take_args(arg, {"mixer": "hla2", "pattern": "", "d_model": 64, "num_kv_pairs": 16,
-                           "seq_len": 256})
+    args = take_args(arg, ARGS)
     c = base_config()
     c.model.update(vocab_size=8192, d_model=args["d_model"], n_layers=2, n_heads=1,
                    mixer_pattern=mixer_pattern(args["pattern"] or args["mixer"]))

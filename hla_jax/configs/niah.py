@@ -1,4 +1,4 @@
-"""python -m hla_jax.main --config=configs/niah.py:mixer=hla2,seq_len=1024 --workdir=/tmp/niah
+""".venv/bin/python -m hla_jax.main --config=configs/niah.py:mixer=hla2,seq_len=1024 --workdir=/tmp/niah
 
 Needle in a haystack (passkey retrieval) on bytes.
 Arguments: ``mixer`` (or ``pattern=a+b``), ``seq_len`` (context length in bytes), ``n_digits``.
@@ -10,9 +10,11 @@ Field meanings: ``hla_jax/train/config.py``.
 
 from hla_jax.train.config import base_config, mixer_pattern, take_args
 
+ARGS = {"mixer": "hla2", "pattern": "", "seq_len": 1024, "n_digits": 5}
+
 
 def get_config(arg: str | None = None):
-    args = take_args(arg, {"mixer": "hla2", "pattern": "", "seq_len": 1024, "n_digits": 5})
+    args = take_args(arg, ARGS)
     c = base_config()
     c.model.update(d_model=128, n_layers=2, n_heads=2, max_seq_len=max(2048, args["seq_len"]),
                    mixer_pattern=mixer_pattern(args["pattern"] or args["mixer"]))
