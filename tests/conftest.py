@@ -44,14 +44,15 @@ def free_compiled_programs(request):
     """Drop every compiled program when a test module ends.
 
     XLA's CPU backend loads each compiled program's machine code into memory maps of its own
-    (three per object file, a few thousand for a Pallas kernel in interpret mode), and jit's
-    caches keep every program alive. Kept, a worker that runs half the suite reaches Linux's
-    limit on memory maps per process (``vm.max_map_count``, 65530 by default): the next
-    compile's mmap fails ("LLVM compilation error: Cannot allocate memory") and XLA's CPU
-    compiler segfaults or aborts in ``backend_compile_and_load``, late in the run, in whichever
-    test compiles then. Freed per module (not per test: a module's tests share programs), a
-    worker holds one module's programs at a time; a module that alone holds half the limit fails
-    here, by name, instead of crashing a later test.
+    (three per object file; one test of a Pallas kernel in interpret mode adds up to 1,800),
+    and jit's caches keep every program alive: 73 tests of the kernel modules alone left 25,000
+    maps. A worker that kept all it compiled reached Linux's limit on memory maps per process
+    (``vm.max_map_count``, 65530 by default), late in a full run: the next compile's mmap failed
+    and XLA's CPU compiler crashed in ``backend_compile_and_load``, in whichever test compiled
+    then, with a segfault ("LLVM compilation error: Cannot allocate memory") or an abort ("LLVM
+    ERROR: Unable to allocate section memory!"). Freed per module (not per test: a module's
+    tests share programs), a worker holds one module's programs at a time; a module that alone
+    holds half the limit fails here, by name, instead of crashing a later test.
     """
     yield
     held = _memory_maps() if os.path.exists(MAPS) else 0
