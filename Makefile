@@ -19,11 +19,9 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(PY) -m hla_jax.main --config=$(CONFIG) --workdir=$(WORKDIR)
 
-# --reruns/--only-rerun: a test whose xdist worker crashed (XLA's CPU compiler has segfaulted
-# once in a full run, late in it) runs once more; a test that fails is not rerun.
 test: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
-	$(PY) -m pytest -q -n 2 --durations=15 --reruns=1 --only-rerun=crashed
+	$(PY) -m pytest -q -n 2 --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hla_jax tests experiments configs notebooks

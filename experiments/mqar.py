@@ -3,7 +3,8 @@
     python -m experiments.mqar --tag zoology --time_budget 500  # Zoology's protocol: 9 mixers x
                                 # dims 16/32/64 x pairs 4..64 x 4 lrs; stops cleanly before 500 s,
                                 # and the same command again goes on exactly where it stopped
-    python -m experiments.mqar --protocol quick --mixers hla2,softmax --dims 16 --pairs 4 --tag try
+    python -m experiments.mqar --protocol quick --mixers hla2,softmax --dims 16 --pairs 4 \\
+        --lrs 2.2e-3 --vocab 1024 --tag try     # a smoke test: about 3 CPU minutes
     python -m experiments.mqar --mixture --tag zoology_mix ...  # one model per lr on all pair counts
     python -m experiments.mqar --shard 0/4 ...   # one of 4 processes (every 4th cell)
     python -m experiments.mqar --merge ...       # fold the shard files into mqar_<tag>.json
@@ -16,8 +17,8 @@ vocabulary 8192, batch 256 for 25,000 steps (its 64 epochs of 100k examples), tw
 head, AdamW (weight decay 0.1) with warmup (``--warmup``, -1 = min(500, steps/10)) and cosine,
 learning rates ``np.logspace(-4, -2, 4)`` (1e-4, 4.6e-4, 2.2e-3, 1e-2), an eval every 500 steps
 and early stopping at 99% eval accuracy. Our batches are fresh draws (batch ``step`` a pure
-function of (seed, split, step)) where Zoology cycles through a fixed 100k. ``quick``: batch 64,
-2000 steps: a short probe, far from converged.
+function of (seed, split, step)) where Zoology cycles through a fixed 100k. ``quick``: batch 32,
+600 steps: a smoke test of the pipeline, far from converged.
 
 One *cell* = (mixer, dim): its (pairs, lr) models, 5 x 4 = 20 by default, train as ONE jitted
 *program* (at most ``--group`` models each; the groups are fixed, so a resumed cell finds its
@@ -119,7 +120,7 @@ ZOOLOGY_LRS = "1e-4,4.6e-4,2.2e-3,1e-2"
 SWEPT = {"mixers": "mixer", "dims": "dim", "lrs": "lr"}   # the settings' sweep axes, a run's keys
 PROTOCOLS = {  # Zoology: 64 epochs x 100k examples / batch 256 = 25,000 steps
     "zoology": {"steps": 25_000, "batch": 256, "eval_every": 500},
-    "quick": {"steps": 2_000, "batch": 64, "eval_every": 500},  # a short probe
+    "quick": {"steps": 600, "batch": 32, "eval_every": 300},  # a smoke test
 }
 # --time_budget: seconds kept for the last checkpoint and results (plus twice the slowest save);
 # a new program starts only with twice the slowest setup (init + compile) left on top

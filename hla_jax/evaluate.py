@@ -1,8 +1,8 @@
 """Evaluate a trained run: lm-evaluation-harness tasks, and bits per byte on text files.
 
-    python -m hla_jax.evaluate --workdir=RUN --tasks=lambada_openai,hellaswag
-    python -m hla_jax.evaluate --workdir=RUN --tasks=my_task --include_path=my_tasks/
-    python -m hla_jax.evaluate --workdir=RUN --text_files=a.txt,b.txt
+    .venv/bin/python -m hla_jax.evaluate --workdir=RUN --tasks=lambada_openai,hellaswag
+    .venv/bin/python -m hla_jax.evaluate --workdir=RUN --tasks=my_task --include_path=my_tasks/
+    .venv/bin/python -m hla_jax.evaluate --workdir=RUN --text_files=a.txt,b.txt
 
 ``HarnessLM`` is the harness's model (registered as ``hla_jax``: ``lm_eval.simple_evaluate(
 model="hla_jax", model_args="workdir=RUN")`` once this module is imported) over a run's newest
@@ -27,19 +27,19 @@ import functools
 import json
 import math
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import lm_eval
 import numpy as np
 import tqdm
-from absl import app, flags, logging
+from absl import flags, logging
 from flax import nnx
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.tasks import TaskManager
 
+from hla_jax import cli
 from hla_jax.nn import generate_stream
 from hla_jax.train.restore import load_run
 
@@ -338,8 +338,6 @@ def define_flags():
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:  # the harness's and orbax's INFO chatter
         logging.set_verbosity(logging.WARNING)
     try:
@@ -347,8 +345,7 @@ def main(argv):
                        FLAGS.num_fewshot, FLAGS.limit, FLAGS.batch_size, FLAGS.max_length, FLAGS.step,
                        FLAGS.seed, FLAGS.bootstrap_iters)
     except (ValueError, OSError) as e:  # OSError: e.g. a task's data file is missing
-        logging.error("%s", e)
-        sys.exit(1)
+        cli.fail(str(e))
     print(f"{out['workdir']} step {out['step']}")
     if "text_files" in out:
         print(text_table(out["text_files"]))
@@ -360,4 +357,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run(main)

@@ -1,4 +1,4 @@
-"""Sample from a trained run: ``python -m hla_jax.sample --workdir=RUN --prompt='def f(x):'``.
+"""Sample from a trained run: ``.venv/bin/python -m hla_jax.sample --workdir=RUN --prompt='def f(x):'``.
 
 Loads ``RUN/config.json`` and the newest checkpoint's parameters (``--step`` picks another),
 encodes each ``--prompt`` (repeat the flag for several) with the run's tokenizer, and continues
@@ -7,15 +7,17 @@ decode states (``hla_jax.nn.generate``). One prompt is streamed, its text printe
 come (``--nostream``: sampled in one compiled call, printed at the end); several prompts are
 sampled together (prompts of different lengths in one batch) and printed one after the other.
 Sampling stops early at the tokenizer's end-of-document id. ``--temperature=0`` is greedy;
-``--top_k`` and ``--top_p`` (nucleus) restrict sampling.
+``--top_k`` and ``--top_p`` (nucleus) restrict sampling. A bad flag or run is one line on stderr,
+exit status 1.
 """
 
 import sys
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
+from hla_jax import cli
 from hla_jax.nn import generate, generate_stream
 from hla_jax.nn.generate import check_sampling
 from hla_jax.train.restore import load_run
@@ -101,8 +103,6 @@ def define_flags():
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:  # stdout is the text; orbax's INFO chatter hidden
         logging.set_verbosity(logging.WARNING)
     try:
@@ -116,10 +116,9 @@ def main(argv):
         sample(run, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_k, FLAGS.top_p,
                FLAGS.seed, FLAGS.stream, write)
     except ValueError as e:
-        logging.error("%s", e)
-        sys.exit(1)
+        cli.fail(str(e))
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run(main)

@@ -49,7 +49,7 @@ def optional_import(module: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{module} is not installed: pip install 'hla_jax[data]' "
+        raise ImportError(f"{module} is not installed: pip install '.[data]' in a clone of hla_jax "
                           f"(or pip install {module.split('.')[0]})") from e
 
 

@@ -3,6 +3,7 @@ checks that turn a bad value into a ValueError before anything is compiled."""
 
 import ast
 import dataclasses
+import difflib
 import pathlib
 
 import ml_collections
@@ -138,7 +139,9 @@ def take_args(arg: str | None, defaults: dict) -> dict:
     args = parse_arg(arg)
     unknown = sorted(set(args) - set(defaults))
     if unknown:
-        raise ValueError(f"unknown config argument(s) {unknown}; valid: {sorted(defaults)}")
+        close = [m for u in unknown for m in difflib.get_close_matches(u, defaults, n=1)]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(f"unknown config argument(s) {unknown}{hint}; valid: {sorted(defaults)}")
     return {**defaults, **args}
 
 
