@@ -129,10 +129,13 @@ def locked(folder):
 
 @functools.cache
 def git_commit() -> str:
-    """``git rev-parse HEAD`` of the repository, ``-dirty`` appended when a tracked file outside
-    ``experiments/results`` has changes (the results a run rewrites do not count); outside a git
-    checkout (a copy of the tree sent to another machine) ``$HLA_JAX_COMMIT`` when set, else
-    ``unknown``."""
+    """``$HLA_JAX_COMMIT`` when set (a copy of the tree sent to another machine, whose ``.git``
+    may be absent or stale), else ``git rev-parse HEAD`` of the repository, ``-dirty`` appended
+    when a tracked file outside ``experiments/results`` has changes (the results a run rewrites
+    do not count); ``unknown`` outside a git checkout."""
+    if os.environ.get("HLA_JAX_COMMIT"):
+        return os.environ["HLA_JAX_COMMIT"]
+
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -141,7 +144,7 @@ def git_commit() -> str:
         return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".",
                                             ":!experiments/results") else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("HLA_JAX_COMMIT") or "unknown"
+        return "unknown"
 
 
 def command_line() -> str:
