@@ -30,7 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from hla_jax import ops
-from hla_jax.ops import ahla_family, hla2_family, hla3_family, linear_family
+from hla_jax.ops.families import ahla as ahla_family
+from hla_jax.ops.families import hla2 as hla2_family
+from hla_jax.ops.families import hla3 as hla3_family
+from hla_jax.ops.families import linear as linear_family
 
 rng = np.random.default_rng(0)
 B, T, H, d, dv = 1, 50, 2, 8, 4

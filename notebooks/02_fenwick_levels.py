@@ -30,7 +30,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from hla_jax import ops
-from hla_jax.ops import fenwick, loglinear_family
+from hla_jax.core import fenwick
+from hla_jax.ops.families import loglinear as loglinear_family
 
 T = 32
 t, s = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")

@@ -71,7 +71,7 @@ def _corrupt(name, kind, args):
         kw["impl"] = "fast"
         want = "impl='fast' is not one of"
     elif kind == "state":
-        kw["initial_state"] = jnp.zeros((1, 1, 1, 1))
+        kw["initial_state"] = jnp.zeros((q.shape[0] + 1, 1, 1, 1))  # never [B,H,d,dv]
         want = "initial_state must"
     return args, kw, want
 

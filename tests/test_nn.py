@@ -15,7 +15,8 @@ from helpers import assert_close
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from experiments.bench_prefill import longest_loop  # noqa: E402
-from hla_jax.nn import LM, MIXER_CLASSES, MIXERS, ModelConfig, flops_per_token, generate, param_count  # noqa: E402
+from hla_jax.nn import LM, MIXERS, ModelConfig, flops_per_token, generate, param_count  # noqa: E402
+from hla_jax.nn import make_mixer as new_mixer  # noqa: E402
 from hla_jax.nn.flops import mixer_core_flops  # noqa: E402
 from hla_jax.nn.generate import sample_token  # noqa: E402
 
@@ -36,7 +37,7 @@ def compiled(fn, *args):
 
 
 def make_mixer(cfg, name, seed=0):
-    return MIXER_CLASSES[name](cfg, rngs=nnx.Rngs(seed), out_std=cfg.init_std)
+    return new_mixer(name, cfg, rngs=nnx.Rngs(seed), out_std=cfg.init_std)
 
 
 # --------------------------------------------------------------------------- config

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from hla_jax.nn.config import ModelConfig
+from hla_jax.ops import registry
 
 
 def mixer_core_flops(name: str, T: int, d: int, c: int, levels: int = 0) -> float:
@@ -68,20 +69,20 @@ def mixer_projection_width(cfg: ModelConfig, name: str) -> int:
     width = 5 * hd  # q, k, v, output gate, W_o
     if cfg.output_gate == "none":
         width -= hd
-    if name in ("mamba2", "gated_deltanet", "loglinear_mamba2", "loglinear_gated_deltanet") or cfg.hla_decay:
+    spec = registry.MIXERS[name]
+    if spec.features != "qk" or cfg.hla_decay:
         width += cfg.n_heads  # dt / α projection
-    if "gated_deltanet" in name:
+    if spec.beta:
         width += cfg.n_heads  # β
-    if name.startswith("loglinear"):
+    if spec.lam:
         width += cfg.n_heads * cfg.num_levels  # λ
     return width
 
 
 def uses_conv(name: str, cfg: ModelConfig) -> bool:
-    """Whether mixer ``name`` has the short conv: the SSM mixers always, linear/HLA with
-    ``cfg.hla_conv``."""
-    return name in ("mamba2", "gated_deltanet", "loglinear_mamba2", "loglinear_gated_deltanet") or (
-        cfg.hla_conv and name in ("linear", "hla2", "ahla", "hla3"))
+    """Whether mixer ``name`` has the short conv (``nn.recurrent``): the Mamba-2 and Gated
+    DeltaNet feature maps always, the "qk" one (linear, HLA) with ``cfg.hla_conv``."""
+    return name != "softmax" and (registry.MIXERS[name].features != "qk" or cfg.hla_conv)
 
 
 def forward_flops_per_token(cfg: ModelConfig, T: int) -> float:
