@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,6 +43,10 @@ class Spec:
     ``initial_state`` must have) and ``step(state, q, k, v, g, beta, lam, *, normalize, eps) ->
     (o_t, state)`` (one token, ``[B,H,·]``); each takes the keywords it does not use.
 
+    ``flops(T, d, c) -> float``: forward matmul FLOPs per token and head of its chunked form at
+    context ``T``, chunk ``c`` (dense ``c×c`` products counted in full; cross-chunk work per
+    chunk divided by ``c``), which the models' MFU reads (``nn.flops``).
+
     ``variant(**options) -> Spec``: the operator's options that pick another spec (hla3's
     ``mask``), None when it has none.  ``mixer``: the name of its token mixer in ``hla_jax.nn``
     ("" for none), whose feature map ``features`` is "qk" (L2-normalised q, k, the HLA and
@@ -57,6 +62,7 @@ class Spec:
     beta: bool = False
     lam: bool = False
     normalize: bool = False
+    flops: Callable | None = None
     variant: Callable | None = None
     mixer: str = ""
     features: str = "qk"
@@ -123,6 +129,11 @@ def kernels_preferred(c: Call) -> bool:
     return (c.seq_axis is None and jax.default_backend() == "gpu" and c.chunk_size >= 16
             and c.chunk_size & (c.chunk_size - 1) == 0
             and all(x.dtype == jnp.bfloat16 for x in (c.q, c.k, c.v)))
+
+
+def chunk_levels(T: int, c: int) -> int:
+    """``⌈log2 ⌈T/c⌉⌉``: the chunk levels a log-linear operator reads at context ``T``."""
+    return math.ceil(math.log2(max(1, math.ceil(T / c))))
 
 
 def reset(c: Call):

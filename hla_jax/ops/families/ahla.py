@@ -100,7 +100,14 @@ FAMILY = hla_forms.Family("ahla", init_state, step, token_summaries, combine, re
                           reference.ahla, chains.over_xla(chains.ahla, State),
                           chains.over_pallas(chains.ahla, State))
 
-SPEC = hla_forms.spec(FAMILY)
+def flops(T, d, c):
+    """Chunk form: ``QKᵀ`` ``2cd``, ``W_g W_g`` ``2c²``, ``(·)V, A_L(QP₀), W_g V`` ``6cd``;
+    ``Q E₀, Q P₀`` ``4d²``; summaries ``KᵀV, KᵀQ, Kᵀ(W_gV)`` ``6d²``; combine ``R_B P_A``
+    ``2d³/c``."""
+    return 8 * c * d + 2 * c * c + 10 * d * d + 2 * d ** 3 / c
+
+
+SPEC = hla_forms.spec(FAMILY, flops=flops)
 SPECS = (SPEC,)
 
 

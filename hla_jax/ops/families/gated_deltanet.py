@@ -55,11 +55,18 @@ def _auto(c):
     return "pallas" if fits else "chunked"
 
 
+def flops(T, d, c):
+    """UT/WY chunk form: ``KKᵀ, QKᵀ`` ``4cd``, triangular solve ``c²/3``, ``W = T K``,
+    ``U = T V``, ``(QKᵀ∘Γ) T``, ``M V`` ``4cd + 2c²``; prefix ``Q H, W H, (QKᵀ∘Γ)(WH)``
+    ``4d² + 2cd``; state ``K̃ᵀ(WH), K̃ᵀU`` ``4d²``."""
+    return 10 * c * d + 2 * c * c + c * c / 3 + 8 * d * d
+
+
 GATED_DELTANET = Spec(
     "gated_deltanet",
     {"reference": _reference, "recurrent": ssm_forms.recurrent_form,
      "scan": ssm_forms.scan_form, "chunked": _chunked, "pallas": _pallas},
-    _auto, init_state, step, gate="required", beta=True, mixer="gated_deltanet",
+    _auto, init_state, step, gate="required", beta=True, flops=flops, mixer="gated_deltanet",
     features="delta")
 SPECS = (GATED_DELTANET,)
 

@@ -104,7 +104,14 @@ FAMILY = hla_forms.Family("hla2", init_state, step, token_summaries, combine, re
                           reference.hla2, chains.over_xla(chains.hla2, State),
                           chains.over_pallas(chains.hla2, State))
 
-SPEC = hla_forms.spec(FAMILY)
+def flops(T, d, c):
+    """Chunk form: ``QKᵀ, Q S₀ Qᵀ`` ``4cd``, ``W_g Wᵀ`` ``2c²``, two ``(·)V`` ``4cd``;
+    ``Q S₀, Q U₀`` ``4d²``; summaries ``KᵀK, QᵀV`` ``4d²``, own ``G`` ``4cd + 2d²``; combine
+    ``S_B C_A`` ``2d³/c``."""
+    return 12 * c * d + 2 * c * c + 10 * d * d + 2 * d ** 3 / c
+
+
+SPEC = hla_forms.spec(FAMILY, flops=flops)
 SPECS = (SPEC,)
 
 

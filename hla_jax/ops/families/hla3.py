@@ -355,6 +355,13 @@ PAPER = hla_forms.Family("hla3", paper_init_state, paper_step, paper_token_summa
                          paper_combine, paper_readout, paper_reference, paper_chunked,
                          decayed=False)
 
+def flops(T, d, c):
+    """Causal chunk form: ``QKᵀ, Q S₀ Qᵀ`` ``4cd``, ``A W_gᵀ, W_g A_Lᵀ`` ``4c²``, ``W_g V`` and
+    four ``(c×c)(c×d)`` products ``10cd``; ``Q S₀, Q P₀, Q F₀`` ``6d²``; summaries
+    ``S, P, Q2, X, Y, F`` ``12d²``; combine (five ``d×d·d×d`` products) ``10d³/c``."""
+    return 14 * c * d + 4 * c * c + 18 * d * d + 10 * d ** 3 / c
+
+
 MASKS = ("causal", "paper")
 
 
@@ -366,7 +373,7 @@ def _mask(mask="causal") -> Spec:
     return SPEC if mask == "causal" else PAPER_SPEC
 
 
-SPEC = hla_forms.spec(CAUSAL, variant=_mask)
+SPEC = hla_forms.spec(CAUSAL, flops=flops, variant=_mask)
 PAPER_SPEC = hla_forms.spec(PAPER, label="hla3 (mask='paper')", mixer="")
 SPECS = (SPEC,)
 

@@ -63,12 +63,18 @@ def _auto(c):
     return "pallas" if kernels_preferred(c) else "chunked"
 
 
+def flops(T, d, c):
+    """SSD chunk form: ``QKᵀ`` and ``(·)V`` inside the chunk ``4·c·d``; prefix read ``Q H₀``
+    and chunk state ``Kᵀ V``: ``4·d²``."""
+    return 4 * c * d + 4 * d * d
+
+
 FORMS = {"reference": _reference, "recurrent": ssm_forms.recurrent_form,
          "scan": ssm_forms.scan_form, "chunked": _chunked, "pallas": _pallas}
 LINEAR_ATTENTION = Spec("linear_attention", FORMS, _auto, init_state, step, gate="optional",
-                        mixer="linear", features="qk")
-MAMBA2 = Spec("mamba2", FORMS, _auto, init_state, step, gate="required", mixer="mamba2",
-              features="mamba2")
+                        flops=flops, mixer="linear", features="qk")
+MAMBA2 = Spec("mamba2", FORMS, _auto, init_state, step, gate="required", flops=flops,
+              mixer="mamba2", features="mamba2")
 SPECS = (LINEAR_ATTENTION, MAMBA2)
 
 

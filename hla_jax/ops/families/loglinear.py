@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from hla_jax.kernels import loglinear_gated_deltanet_kernel, loglinear_mamba2_kernel
 from hla_jax.kernels.gdn import gdn_entry
 from hla_jax.ops import dispatch, levels, reference
+from hla_jax.ops.families import gated_deltanet, linear
 from hla_jax.ops.families.gated_deltanet import GATED_DELTANET
 from hla_jax.ops.families.linear import MAMBA2
-from hla_jax.ops.spec import Call, Spec, kernels_preferred, reset
+from hla_jax.ops.spec import Call, Spec, chunk_levels, kernels_preferred, reset
 from hla_jax.ops.xla import loglinear_blocks, loglinear_chunked, loglinear_gdn_blocks, ssm
 from hla_jax.ops.xla.ssm import cast_state, combine, readout, token_summaries
 from hla_jax.ops.xla.ssm_forms import recurrent_form, scan_form
@@ -123,18 +124,30 @@ def _auto_gated_deltanet(c):
     return "chunked" if c.stateful else "pallas"
 
 
+def _flops_mamba2(T, d, c):
+    """Mamba-2's, plus per chunk level read (``chunk_levels``) ``Q H_ℓ``: ``2d²``."""
+    return linear.flops(T, d, c) + 2 * d * d * chunk_levels(T, c)
+
+
+def _flops_gated_deltanet(T, d, c):
+    """Gated DeltaNet's, plus per chunk level ``Q H_ℓ, W H_ℓ, K̃ᵀ(W H_ℓ)`` ``6d²`` and
+    ``(QKᵀ∘Γ)(W H_ℓ)`` ``2cd``."""
+    return gated_deltanet.flops(T, d, c) + (6 * d * d + 2 * c * d) * chunk_levels(T, c)
+
+
 _FORMS = {"reference": _reference, "recurrent": recurrent_form, "scan": scan_form,
           "chunked": _chunked}
 LOGLINEAR_MAMBA2 = Spec(
     "loglinear_mamba2", {**_FORMS, "pallas": _pallas(loglinear_mamba2_kernel, MAMBA2)},
-    _auto_mamba2, init_state, step, gate="required", lam=True, mixer="loglinear_mamba2",
+    _auto_mamba2, init_state, step, gate="required", lam=True, flops=_flops_mamba2,
+    mixer="loglinear_mamba2",
     features="mamba2")
 LOGLINEAR_GATED_DELTANET = Spec(
     "loglinear_gated_deltanet",
     {**_FORMS, "pallas": _pallas(loglinear_gated_deltanet_kernel, GATED_DELTANET),
      "chunked_ut_kernel": functools.partial(_chunked, terms="kernel")},
     _auto_gated_deltanet, init_state, step, gate="required", beta=True, lam=True,
-    mixer="loglinear_gated_deltanet", features="delta")
+    flops=_flops_gated_deltanet, mixer="loglinear_gated_deltanet", features="delta")
 SPECS = (LOGLINEAR_MAMBA2, LOGLINEAR_GATED_DELTANET)
 
 def loglinear_mamba2(q, k, v, g, lam, *, segment_ids=None, initial_state=None,
