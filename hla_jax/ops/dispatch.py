@@ -30,19 +30,34 @@ from hla_jax.ops.spec import Call, Spec
 
 
 def _layout(x) -> str:
-    """A state's layout in words: ``Name(field=shape, …)`` or its shape."""
+    """A state's layout in words: ``Name(field=shape dtype, …)`` (nested), or its shape."""
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return f"{type(x).__name__}(" + ", ".join(
-            f"{f}={tuple(jnp.shape(y))} {jnp.result_type(y)}" for f, y in zip(x._fields, x)) + ")"
+            f"{f}={_layout(y)}" for f, y in zip(x._fields, x)) + ")"
     if isinstance(x, tuple):
-        return f"a tuple of shapes {[tuple(jnp.shape(y)) for y in x]}"
-    return f"shape {tuple(jnp.shape(x))}"
+        return "(" + ", ".join(_layout(y) for y in x) + ")"
+    return f"{tuple(jnp.shape(x))} {jnp.result_type(x)}"
+
+
+def _fits(state, want) -> bool:
+    """``state`` has ``want``'s leaves (shapes, and integers where they are integers), in its
+    structure or, for a named tuple, in a plain tuple of its fields."""
+    leaves, tree = jax.tree.flatten(state)
+    wants, want_tree = jax.tree.flatten(want)
+    same = tree == want_tree or (isinstance(want, tuple) and type(state) is tuple
+                                 and len(state) == len(want)
+                                 and all(_fits(x, w) for x, w in zip(state, want)))
+    return same and len(leaves) == len(wants) and all(
+        jnp.shape(x) == w.shape and (jnp.issubdtype(jnp.result_type(x), jnp.integer)
+                                     or not jnp.issubdtype(w.dtype, jnp.integer))
+        for x, w in zip(leaves, wants))
 
 
 def check_state(spec: Spec, c: Call, impl: str):
     """``initial_state`` / ``return_final_state`` are taken by ``spec.state_impls`` without
-    ``seq_axis``; ``initial_state`` has the layout of ``spec.init_state`` (shapes, and integer
-    where it is integer).  Returns it in that type (or None)."""
+    ``seq_axis``; ``initial_state`` has the layout of ``spec.init_state`` (its structure, a
+    named tuple's fields also as a plain tuple; shapes; integers where it has integers).
+    Returns it in that structure (or None)."""
     state = c.initial_state
     if not c.stateful:
         return None
@@ -56,20 +71,13 @@ def check_state(spec: Spec, c: Call, impl: str):
     levels = c.lam.shape[-1] if spec.lam else None
     want = jax.eval_shape(lambda: spec.init_state(B, H, d, c.v.shape[-1], normalize=c.normalize,
                                                   levels=levels))
-    named = isinstance(want, tuple)
-    parts = tuple(state) if named and isinstance(state, tuple) else (state,)
-    wants = tuple(want) if named else (want,)
-    fits = (named == isinstance(state, tuple) and len(parts) == len(wants) and all(
-        jnp.shape(x) == w.shape and (jnp.issubdtype(jnp.result_type(x), jnp.integer)
-                                     or not jnp.issubdtype(w.dtype, jnp.integer))
-        for x, w in zip(parts, wants)))
-    if not fits:
-        if named:
+    if not _fits(state, want):
+        if isinstance(want, tuple):
             raise ValueError(f"{spec}: initial_state must be a {_layout(want)} (the layout of "
                              f"init_state), got {_layout(state)}")
         raise ValueError(f"{spec}: initial_state must have shape {want.shape} [B,H,d,dv], got "
                          f"{tuple(jnp.shape(state))}")
-    return type(want)(*state) if named else state
+    return jax.tree.unflatten(jax.tree.structure(want), jax.tree.leaves(state))
 
 
 def check(spec: Spec, q, k, v, g=None, beta=None, lam=None, *, impl="auto", chunk_size=64,
