@@ -139,18 +139,23 @@ def operator_cases():
 
 
 def lower(platform: str, fn, args) -> str:
-    """The StableHLO text of ``jax.jit(fn)`` lowered for ``platform``, without locations."""
+    """The StableHLO text of ``jax.jit(fn)`` lowered for ``platform``, without locations; for
+    "cuda" the default backend reads as "gpu" while tracing, so the operators' kernels compile
+    (not the CPU's interpret mode) and pick their GPU backends."""
     from jax._src.pallas.triton import gpu_info
     from jax._src.pallas.triton import pallas_call_registration as triton_call
 
     h200 = lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0",  # noqa: E731
                                     compute_capability=90)
-    saved, triton_call.gpu_info_lib.get_gpu_info = triton_call.gpu_info_lib.get_gpu_info, h200
+    saved = triton_call.gpu_info_lib.get_gpu_info, jax.default_backend
+    triton_call.gpu_info_lib.get_gpu_info = h200
+    if platform == "cuda":
+        jax.default_backend = lambda: "gpu"
     try:
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
         return LOCATION.sub("", lowered.as_text(debug_info=False))
     finally:
-        triton_call.gpu_info_lib.get_gpu_info = saved
+        triton_call.gpu_info_lib.get_gpu_info, jax.default_backend = saved
 
 
 def _unescape(s: str) -> bytes:
