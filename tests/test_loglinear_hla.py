@@ -113,6 +113,17 @@ def test_forms_float32(x64, rng, name, impl):
     assert_close(out, _run(name, "reference")(*(x.astype(jnp.float64) for x in args)), 1e-4)
 
 
+def test_bf16_inputs(rng):
+    """bf16 ``q, k, v`` (the intermediate cast back to bf16, the outer block form on 16-bit
+    products): float32 outputs within 2e-2 of the float32 reference."""
+    q, k, v, g, lam = _inputs(rng, 70, np.float32, d=8, dv=8)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    out = llh.loglinear_hla3(q, k, v, g, lam, impl="chunked", chunk_size=16)
+    assert out.dtype == jnp.float32
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    assert_close(out, llh.loglinear_hla3(*f32, g, lam, impl="reference"), 2e-2)
+
+
 @pytest.mark.parametrize("name", OPS)
 def test_all_ones_lambda_is_the_hla_operator(x64, rng, name):
     """λ = 1: the HLA operator (causal mask), with no decay, a per-head gate and a −∞ reset."""
