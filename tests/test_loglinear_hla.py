@@ -152,19 +152,22 @@ def test_causal(rng, name):
 
 @pytest.mark.parametrize("name", OPS)
 def test_decode_step_equals_chunked(x64, rng, name):
-    """``step`` token by token from ``init_state`` (a fixed maximum of 15 levels), normalised,
-    reproduces the chunked output and the chunked form's final state."""
-    T, levels = 40, 15
-    q, k, v, g, lam = _inputs(rng, T, normalize=True, levels=levels)
+    """``step`` token by token (a fixed maximum of 15 levels, normalised), from ``init_state``
+    and from a chunked prefill of 13 tokens, reproduces the chunked output and the chunked
+    form's final state."""
+    T, levels, cut = 40, 15, 13
+    q, k, v, g, lam = xs = _inputs(rng, T, normalize=True, levels=levels)
     family = OPS[name][1]
-    full, final = _run(name, "chunked", chunk_size=16, normalize=True, return_final_state=True)(
-        q, k, v, g, lam)
-    state = llh.init_state(family, B, H, D, DV, levels, normalize=True, dtype=jnp.float64)
+    run = _run(name, "chunked", chunk_size=16, normalize=True, return_final_state=True)
+    full, final = run(*xs)
+    _, prefilled = run(*(x[:, :cut] for x in xs))
     step = jax.jit(functools.partial(llh.step, family, normalize=True))
-    for t in range(T):
-        o, state = step(state, q[:, t], k[:, t], v[:, t], g[:, t], lam[:, t])
-        assert_close(o, full[:, t], 1e-10, f"t={t}")
-    _assert_states_close(state, final, 1e-10, "final state")
+    for t0, state in [(0, llh.init_state(family, B, H, D, DV, levels, normalize=True,
+                                         dtype=jnp.float64)), (cut, prefilled)]:
+        for t in range(t0, T):
+            o, state = step(state, q[:, t], k[:, t], v[:, t], g[:, t], lam[:, t])
+            assert_close(o, full[:, t], 1e-10, f"from {t0}: t={t}")
+        _assert_states_close(state, final, 1e-10, f"from {t0}: final state")
 
 
 DOCS = (9, 1, 20, 11)  # one packed row of 41 tokens: documents mid-chunk, of one token, > 1 chunk
