@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, devices_env, grads_of, make_gate, make_qkv, rel_err
+from helpers import assert_close, devices_env, make_gate, make_qkv, rel_err
 
 from hla_jax import ops
 from hla_jax.core import fenwick
@@ -42,6 +42,25 @@ def _inputs(rng, T, dtype=np.float64, normalize=False, levels=None, B=B, d=D, dv
 
 def _run(name, impl, **kw):
     return functools.partial(OPS[name][0], impl=impl, **kw)
+
+
+def _out_and_grads(fn, args, w):
+    """``fn(*args)`` and the gradients of ``sum(fn(*args) · w)`` w.r.t. every argument, in one
+    program."""
+    def both(*a):
+        out, vjp = jax.vjp(fn, *a)
+        return out, vjp(w.astype(out.dtype))
+
+    return jax.jit(both)(*args)
+
+
+def _assert_out_and_grads_close(fn, ref, args, w, tol, what):
+    """``fn`` and ``ref`` agree on ``args``: outputs and the gradients of q, k, v, g, lam."""
+    (out, grads), (want, want_grads) = _out_and_grads(fn, args, w), _out_and_grads(ref, args, w)
+    assert out.dtype == args[0].dtype
+    assert_close(out, want, tol, what)
+    for name, a, b in zip("q k v g lam".split(), grads, want_grads):
+        assert_close(a, b, tol, f"{what}: d/d{name}")
 
 
 def _brute(name, q, k, v, g, lam):
@@ -91,16 +110,9 @@ FORMS_X64 = [  # (operator, impl, normalize): each operator and each form, norma
 def test_forms_float64(x64, rng, name, impl, normalize):
     """T = 37, chunk 16: outputs and the gradients of q, k, v, g, lam to 1e-10."""
     args = _inputs(rng, 37, normalize=normalize)
-    fn = _run(name, impl, chunk_size=16, normalize=normalize)
-    ref = _run(name, "reference", normalize=normalize)
-    out = fn(*args)
-    assert out.dtype == jnp.float64
-    assert_close(out, ref(*args), 1e-10, impl)
     w = jnp.asarray(rng.normal(size=args[2].shape))
-    argnums = tuple(range(5))
-    for what, a, b in zip("q k v g lam".split(), grads_of(fn, args, argnums, w),
-                          grads_of(ref, args, argnums, w)):
-        assert_close(a, b, 1e-10, f"{impl}: d/d{what}")
+    _assert_out_and_grads_close(_run(name, impl, chunk_size=16, normalize=normalize),
+                                _run(name, "reference", normalize=normalize), args, w, 1e-10, impl)
 
 
 @pytest.mark.parametrize("name,impl", [("hla2", "chunked"), ("ahla", "scan"), ("hla3", "chunked"),
@@ -201,10 +213,9 @@ def test_packed_row_equals_documents_alone(x64, rng, name, impl):
         alone[1 + i, :n] = True
     w = jnp.where(jnp.asarray(alone)[..., None, None] | (jnp.arange(len(w)) == 0)[:, None, None, None],
                   w, 0)
-    fn = _run(name, impl, chunk_size=8, segment_ids=seg)
-    out = fn(*args)
+    out, grads = _out_and_grads(_run(name, impl, chunk_size=8, segment_ids=seg), args, w)
     assert_close(out[0], _packed_part(out), 1e-10, "outputs")
-    for what, dx in zip("q k v g lam".split(), grads_of(fn, args, tuple(range(5)), w)):
+    for what, dx in zip("q k v g lam".split(), grads):
         assert_close(dx[0], _packed_part(dx), 1e-10, f"d/d{what}")
 
 
@@ -248,15 +259,10 @@ def test_pallas(rng):
     and the gradients of every input within 2e-3 of the reference."""
     name, normalize = "hla3", True
     args = _inputs(rng, 20, np.float32, normalize, B=1, d=8, dv=4)
-    fn = _run(name, "pallas", chunk_size=16, normalize=normalize)
-    ref = _run(name, "reference", normalize=normalize)
-    out = fn(*args)
-    assert out.dtype == jnp.float32
-    assert_close(out, ref(*args), 2e-3)
     w = jnp.asarray(rng.normal(size=args[2].shape), jnp.float32)
-    for what, a, b in zip("q k v g lam".split(), grads_of(fn, args, tuple(range(5)), w),
-                          grads_of(ref, args, tuple(range(5)), w)):
-        assert_close(a, b, 2e-3, f"d/d{what}")
+    _assert_out_and_grads_close(_run(name, "pallas", chunk_size=16, normalize=normalize),
+                                _run(name, "reference", normalize=normalize), args, w, 2e-3,
+                                "pallas")
 
 
 def test_pallas_with_documents_and_states(rng):
