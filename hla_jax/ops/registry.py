@@ -8,10 +8,10 @@ one public entry per spec, a function named as the spec.
 
 from __future__ import annotations
 
-from hla_jax.ops.families import ahla, gated_deltanet, hla2, hla3, linear, loglinear
+from hla_jax.ops.families import ahla, gated_deltanet, hla2, hla3, linear, loglinear, loglinear_hla
 from hla_jax.ops.spec import IMPLS, STATE_IMPLS
 
-FAMILIES = (linear, gated_deltanet, loglinear, hla2, ahla, hla3)
+FAMILIES = (linear, gated_deltanet, loglinear, hla2, ahla, hla3, loglinear_hla)
 
 OPERATORS = {spec.name: spec for family in FAMILIES for spec in family.SPECS}
 ENTRIES = {name: getattr(family, name) for family in FAMILIES for name in
