@@ -28,7 +28,7 @@ Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
   our kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384 (``SMALL_TOKENS``); and the
   two log-linear operators continuing a state at position ``T`` (``loglinear_mamba2_state_pallas``,
   ``loglinear_gdn_state_pallas``: the kernels composed by
-  ``kernels.loglinear.loglinear_entry.from_state``; ``…_state_chunked``: the counter form
+  ``ops.levels.from_state``; ``…_state_chunked``: the counter form
   ``impl="auto"`` takes for states).
 
 The default ``--methods`` (``DEFAULT_METHODS``) are the ones ``TARGETS`` compare plus the XLA rows.
