@@ -17,7 +17,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from hla_jax.nn import generate, generate_stream
-from hla_jax.nn.generate import check_sampling
+from hla_jax.nn.decoding import check_sampling
 from hla_jax.train.restore import load_run
 
 
