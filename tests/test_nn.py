@@ -17,8 +17,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from experiments.bench_prefill import longest_loop  # noqa: E402
 from hla_jax.nn import LM, MIXERS, ModelConfig, flops_per_token, generate, param_count  # noqa: E402
 from hla_jax.nn import make_mixer as new_mixer  # noqa: E402
-from hla_jax.nn.flops import mixer_core_flops  # noqa: E402
 from hla_jax.nn.decoding import sample_token  # noqa: E402
+from hla_jax.nn.flops import mixer_core_flops  # noqa: E402
 
 T_TEST = 21
 # XLA CPU spends most of these tests compiling; its cheaper pipeline keeps the file fast.

@@ -4,8 +4,8 @@
 """
 
 from hla_jax.nn.config import MIXERS, ModelConfig
-from hla_jax.nn.flops import flops_per_token, forward_flops_per_token, mixer_core_flops
 from hla_jax.nn.decoding import generate, generate_stream
+from hla_jax.nn.flops import flops_per_token, forward_flops_per_token, mixer_core_flops
 from hla_jax.nn.lm import LM, Block, param_count
 from hla_jax.nn.mixers import make_mixer
 
