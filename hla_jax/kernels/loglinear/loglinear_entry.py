@@ -113,14 +113,37 @@ loglinear_core.defvjp(_core_fwd, _core_bwd)
 
 def loglinear_mamba2_pallas(q, k, v, g, lam, *, chunk_size=64, interpret=None, block_v=128,
                             block_v_bwd=128, num_warps=4, backend=None):
-    """Log-linear Mamba-2 via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
+    """Log-linear Mamba-2 via Pallas (see the module docstring) on whole rows, positions from 0:
+    packed documents and continued states are compositions in ``ops.levels``
+    (``ops.loglinear_mamba2(impl="pallas", segment_ids=…)``).
 
-    Whole rows, positions from 0: packed documents and continued states are compositions in
-    ``ops.levels`` (``ops.loglinear_mamba2(impl="pallas", segment_ids=…)``).
-    ``block_v`` / ``block_v_bwd`` (the value tiles of the forward and backward kernels, powers
-    of two >= 16, at most ``dv`` rounded up to a power of two) and ``num_warps`` (Triton) tune
-    the kernels; ``backend``: "triton" | "tpu" | None (the default device's: "tpu" on a TPU, else
-    "triton").
+    Args:
+        q: queries ``[B,T,H,d]``.
+        k: keys ``[B,T,H,d]``.
+        v: values ``[B,T,H,dv]``.
+        g: log-decay ``[B,T,H]`` or ``[H]`` (``<= 0``).
+        lam: level weights ``[B,T,H,L]``, ``L ≥ ⌈log2 T⌉+1``.
+        chunk_size: a power of two >= 16.
+        interpret: None runs compiled on GPU/TPU and in interpret mode on CPU.
+        block_v: the forward kernels' value tile, a power of two >= 16 (at most ``dv`` rounded
+            up to a power of two).
+        block_v_bwd: the backward kernels' value tile, likewise.
+        num_warps: Triton's warps per program.
+        backend: "triton" | "tpu" | None (the default device's: "tpu" on a TPU, else "triton").
+
+    Returns:
+        ``o [B,T,H,dv]`` float32.
+
+    Raises:
+        ValueError: naming the argument (shapes, dtypes, ``g``, too few levels, tiles).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from hla_jax.kernels import loglinear_mamba2_pallas
+        >>> q = k = v = jnp.ones((1, 32, 1, 16))
+        >>> g, lam = -0.1 * jnp.ones((1, 32, 1)), jnp.ones((1, 32, 1, 6))
+        >>> loglinear_mamba2_pallas(q, k, v, g, lam, chunk_size=16).shape
+        (1, 32, 1, 16)
     """
     name = "loglinear_mamba2_pallas"
     B, T, H, d, dv = check_qkv(q, k, v, name=name)

@@ -114,16 +114,40 @@ loglinear_gdn_core.defvjp(_core_fwd, _core_bwd)
 
 def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, interpret=None,
                                     block_v=64, block_v_bwd=64, num_warps=8, backend=None):
-    """Log-linear Gated DeltaNet via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
+    """Log-linear Gated DeltaNet via Pallas (see the module docstring) on whole rows, positions
+    from 0: packed documents and continued states are compositions in ``ops.levels``
+    (``ops.loglinear_gated_deltanet(impl="pallas", segment_ids=…)``).
 
-    Whole rows, positions from 0: packed documents and continued states are compositions in
-    ``ops.levels`` (``ops.loglinear_gated_deltanet(impl="pallas", segment_ids=…)``).
+    Args:
+        q: queries ``[B,T,H,d]``.
+        k: keys ``[B,T,H,d]``, unit norm.
+        v: values ``[B,T,H,dv]``.
+        g: log-decay ``[B,T,H]`` or ``[H]`` (``<= 0``).
+        beta: write strengths ``[B,T,H]``.
+        lam: level weights ``[B,T,H,L]``, ``L ≥ ⌈log2 T⌉+1``.
+        chunk_size: a power of two >= 16.
+        interpret: None runs compiled on GPU/TPU and in interpret mode on CPU.
+        block_v: caps the walks' value tile (a power of two >= 16; ``value_tile`` shrinks it so
+            the level states of one program fit ``STACK_BYTES``).
+        block_v_bwd: the value tile of the chunk-parallel walk gradients.
+        num_warps: Triton's warps per program.
+        backend: "triton" | "tpu" | None (the default device's: "tpu" on a TPU, else "triton").
 
-    ``block_v`` caps the value tile of the walks (a power of two >= 16;
-    ``value_tile`` shrinks it so the S level states of one program fit
-    ``STACK_BYTES``), ``block_v_bwd`` is that of the chunk-parallel walk gradients and
-    ``num_warps`` (Triton) tune the kernels; ``backend``: "triton" | "tpu" | None (the default
-    device's: "tpu" on a TPU, else "triton").
+    Returns:
+        ``o [B,T,H,dv]`` float32.
+
+    Raises:
+        ValueError: naming the argument (shapes, dtypes, ``g``, ``beta``, too few levels,
+            tiles).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from hla_jax.kernels import loglinear_gated_deltanet_pallas
+        >>> q = k = v = jnp.full((1, 32, 1, 16), 0.25)
+        >>> g, beta = -0.1 * jnp.ones((1, 32, 1)), 0.5 * jnp.ones((1, 32, 1))
+        >>> lam = jnp.ones((1, 32, 1, 6))
+        >>> loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, chunk_size=16).shape
+        (1, 32, 1, 16)
     """
     name = "loglinear_gated_deltanet_pallas"
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
