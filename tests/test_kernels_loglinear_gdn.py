@@ -143,12 +143,12 @@ def test_auto_takes_the_ut_terms_where_the_kernel_runs(rng, monkeypatch):
     ``gated_deltanet``'s kernel would run (a Hopper GPU with bf16 inputs; faked here), XLA's
     terms with ``impl="chunked"``."""
     from hla_jax.kernels.gdn import gdn_entry
-    from hla_jax.ops import dispatch
+    from hla_jax.ops.families import loglinear
     from hla_jax.ops.xla import loglinear_gdn_blocks
 
     q, k, v, g, beta, lam = _inputs(rng, 1, 100, 2, 16, 64)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    monkeypatch.setattr(dispatch, "pallas_preferred", lambda c: True)
+    monkeypatch.setattr(loglinear, "kernels_preferred", lambda c: True)
     monkeypatch.setattr(gdn_entry, "supports", lambda *a: True)
     auto = ops.loglinear_gated_deltanet(q, k, v, g, beta, lam)
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(_blocks_on_ut(q, k, v, g, beta, lam)))
