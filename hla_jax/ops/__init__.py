@@ -1,5 +1,5 @@
 """Pure-function operators.  The public entries, one per operator of the registry
-(``ops.registry``; each defined in its family's module, ``ops.families``):
+(``ops.registry.ENTRIES``; each defined in its family's module, ``ops.families``), for example:
 
     o = ops.hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64)
     o = ops.ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64)
