@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from experiments import common
 from hla_jax.nn import LM, ModelConfig, param_count
-from hla_jax.nn.generate import sample_token
+from hla_jax.nn.decoding import sample_token
 
 MIXERS = ("softmax,mamba2,loglinear_mamba2,gated_deltanet,loglinear_gated_deltanet,linear,hla2,"
           "ahla,hla3")

@@ -18,8 +18,8 @@ file ``bench_ops_<backend>_<tag>.json``.
 
     python -m experiments.bench_ops --jla --repeats 5   # against jax-linear-attention
 
-``--jla``: our XLA chunked forms (``impl="chunked"``) of mamba2 (``ops.la_chunked``),
-gated_deltanet (``ops.gdn_chunked``) and loglinear_mamba2 (``ops.loglinear_blocks``) against the
+``--jla``: our XLA chunked forms (``impl="chunked"``) of mamba2 (``ops.xla.la_chunked``),
+gated_deltanet (``ops.xla.gdn_chunked``) and loglinear_mamba2 (``ops.xla.loglinear_blocks``) against the
 plain-JAX chunked forms of the optional peer package ``jax-linear-attention`` (``jla``: ``simple_gla``,
 ``gated_delta_rule``, ``log_linear_simple_gla_chunked``, at ``scale=1``, the same operators) at
 T = 4096 and 16384 (B = 1, H = 4, d = dv = 64, chunk 64): forward+backward, the two forms
@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from experiments import common
 from hla_jax import ops
+from hla_jax.core import fenwick
 
 # name -> (forward+backward target, shape)
 HLA = dict(B=1, H=4, T=16384, d=64, dv=64)
@@ -81,7 +82,7 @@ def make_inputs(name, shape, dtype, seed=0):
     if "gated_deltanet" in name:
         args.append(r.uniform(0.1, 0.9, size=(B, T, H)))
     if name.startswith("loglinear"):
-        args.append(r.uniform(0.5, 1.5, size=(B, T, H, ops.fenwick.num_levels(T))))
+        args.append(r.uniform(0.5, 1.5, size=(B, T, H, fenwick.num_levels(T))))
     return [jnp.asarray(a, dtype) for a in args]
 
 
@@ -230,9 +231,9 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown operators {sorted(unknown)}; choose from {list(OPERATORS)}")
     impls = [i for i in a.impls.split(",") if i]
-    bad = set(impls) - set(ops.dispatch.IMPLS)
+    bad = set(impls) - {*ops.registry.IMPLS, "auto"}
     if bad:
-        p.error(f"--impls: unknown {sorted(bad)}; choose from {ops.dispatch.IMPLS}")
+        p.error(f"--impls: unknown {sorted(bad)}; choose from {(*ops.registry.IMPLS, "auto")}")
     try:
         override = {k: int(v) for k, v in (kv.split("=") for kv in a.shape.split(",") if kv)}
     except ValueError:

@@ -9,7 +9,7 @@ Each mixer trains ``--steps`` steps of ``configs/lm.py`` (d_model 1024, 12 layer
 128, bf16 compute, float32 parameters and optimizer state) on the embedded corpus, in its own
 process (``python -m experiments.train_throughput --one MIXER`` from the repository root, so peak
 memory is per mixer), with ``model.impl = --impl`` ("auto": the Pallas kernels
-on a GPU for bf16, ``ops.dispatch.pallas_preferred``). Recorded: tokens/s and MFU from the trainer's
+on a GPU for bf16, ``ops.spec.kernels_preferred``). Recorded: tokens/s and MFU from the trainer's
 meter (the first step, with its compilation, excluded; MFU from ``hla_jax.nn.flops_per_token``
 against the bf16 dense peak), peak device memory, final loss. ``--budget`` seconds: no new mixer
 starts after it. Results: ``experiments/results/train_throughput_<device>.json``, rewritten after

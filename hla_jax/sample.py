@@ -19,7 +19,7 @@ from absl import flags, logging
 
 from hla_jax import cli
 from hla_jax.nn import generate, generate_stream
-from hla_jax.nn.generate import check_sampling
+from hla_jax.nn.decoding import check_sampling
 from hla_jax.train.restore import load_run
 
 

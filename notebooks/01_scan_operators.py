@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -30,7 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from hla_jax import ops
-from hla_jax.ops import ahla_family, hla2_family, hla3_family, linear_family
+from hla_jax.ops.families import ahla as ahla_family
+from hla_jax.ops.families import hla2 as hla2_family
+from hla_jax.ops.families import hla3 as hla3_family
+from hla_jax.ops.families import linear as linear_family
 
 rng = np.random.default_rng(0)
 B, T, H, d, dv = 1, 50, 2, 8, 4

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -30,7 +30,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from hla_jax import ops
-from hla_jax.ops import fenwick, loglinear_family
+from hla_jax.core import fenwick
+from hla_jax.ops.families import loglinear as loglinear_family
 
 T = 32
 t, s = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")

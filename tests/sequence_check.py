@@ -29,6 +29,7 @@ from helpers import make_gate, make_qkv, rel_err  # noqa: E402
 from jax.sharding import PartitionSpec as Spec  # noqa: E402
 
 from hla_jax import ops  # noqa: E402
+from hla_jax.core import fenwick  # noqa: E402
 
 P_DEV, T_LOCAL, CHUNK = 8, 20, 16
 CASES = {  # name -> (operator, extra inputs, keyword arguments)
@@ -72,7 +73,7 @@ def inputs(rng, extra, B=2, T=P_DEV * T_LOCAL, H=2, d=4, dv=3, dtype=np.float64)
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     more = {"g": make_gate(rng, B=B, T=T, H=H, dtype=dtype),
             "beta": jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), dtype),
-            "lam": jnp.asarray(rng.uniform(0.2, 1.5, (B, T, H, ops.fenwick.num_levels(T))), dtype)}
+            "lam": jnp.asarray(rng.uniform(0.2, 1.5, (B, T, H, fenwick.num_levels(T))), dtype)}
     return (q, k, v) + tuple(more[x] for x in extra)
 
 
@@ -175,7 +176,7 @@ def bytes_table() -> int:
     """Measured bytes per device against ``(P − 1)·B·H·|s|·4``; returns the number of mismatches."""
     mesh = jax.make_mesh((P_DEV,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
     B, H, d, T = 1, 16, 128, P_DEV * 256  # chunk 64
-    L = ops.fenwick.num_levels(T)
+    L = fenwick.num_levels(T)
     rng = np.random.default_rng(0)
     failed = 0
     for name, (op, extra, kw) in CASES.items():

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from hla_jax import ops
 from hla_jax.core import fenwick
+from hla_jax.ops import registry
 
-OPS = ("linear_attention", "mamba2", "gated_deltanet", "loglinear_mamba2",
-       "loglinear_gated_deltanet", "hla2", "ahla", "hla3")
+OPS = tuple(registry.OPERATORS)  # every operator of the registry
 
 
 def _inputs(name, B, T, H, d, dv, seed=0, dtype=np.float32):
@@ -71,7 +71,7 @@ def _corrupt(name, kind, args):
         kw["impl"] = "fast"
         want = "impl='fast' is not one of"
     elif kind == "state":
-        kw["initial_state"] = jnp.zeros((1, 1, 1, 1))
+        kw["initial_state"] = jnp.zeros((q.shape[0] + 1, 1, 1, 1))  # never [B,H,d,dv]
         want = "initial_state must"
     return args, kw, want
 

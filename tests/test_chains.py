@@ -10,7 +10,8 @@ import pytest
 from helpers import assert_close, assert_grads_match, make_inputs
 
 from hla_jax import ops
-from hla_jax.ops import chains, dispatch, reference
+from hla_jax.ops import chains, reference
+from hla_jax.ops.xla import hla_forms
 
 B, H, D, DV = 2, 2, 5, 3
 OPS = ("hla2", "ahla", "hla3")
@@ -82,11 +83,11 @@ def test_pallas_chain_matches_reference(rng, name, normalize):
 
 
 def test_auto_takes_the_pallas_chain_where_preferred(rng, monkeypatch):
-    """``impl="auto"`` runs the family's Pallas chain when ``dispatch.pallas_preferred`` says so
+    """``impl="auto"`` runs the family's Pallas chain when ``spec.kernels_preferred`` says so
     (a GPU with bf16 inputs; faked here), hla3's paper mask the chunked form."""
     T = 20
     q, k, v, g = make_inputs(rng, T, "token", False, np.float32, B=1, H=H, d=8, dv=4)
-    monkeypatch.setattr(dispatch, "pallas_preferred", lambda c: True)
+    monkeypatch.setattr(hla_forms, "kernels_preferred", lambda c: True)
     run = functools.partial(ops.hla2, q, k, v, g, chunk_size=16)
     np.testing.assert_array_equal(np.asarray(run()), np.asarray(run(impl="pallas")))
     paper = functools.partial(ops.hla3, q, k, v, mask="paper", chunk_size=16)

@@ -15,9 +15,8 @@ import pytest
 from helpers import assert_close, devices_env, grads_of, keys_around_one_direction, make_gate, make_qkv
 from test_la_chunked import sharded_check
 
-from hla_jax import ops
-from hla_jax.ops import gdn_chunked
 from hla_jax.ops import reference as ref
+from hla_jax.ops.xla import gdn_chunked, ssm_forms
 
 
 def _inputs(rng, T, dtype=np.float64, B=2, H=2, d=5, dv=3, resets=(), spread=None):
@@ -68,11 +67,11 @@ def test_gradients(x64, rng, T, resets):
 
 @pytest.mark.parametrize("T", [1, 37])
 def test_states_are_the_recurrence(x64, rng, T):
-    """From an initial state, outputs and the final state equal ``loglinear_family.recurrent``."""
+    """From an initial state, outputs and the final state equal ``xla.ssm_forms.recurrent``."""
     args = _inputs(rng, T, resets=(min(T - 1, 20),))
     h0 = jnp.asarray(rng.normal(size=(2, 2, 5, 3)))
     out, final = gdn_chunked.chunked(*args, 16, initial_state=h0)
-    want, want_final = ops.loglinear_family.recurrent(*args, initial_state=h0)
+    want, want_final = ssm_forms.recurrent(*args, initial_state=h0)
     assert_close(out, want, 1e-10)
     assert_close(final, want_final, 1e-10, "final state")
 

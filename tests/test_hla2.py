@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hla_jax import ops
-from hla_jax.ops import hla2_family as fam
-from hla_jax.ops import linear, reference
+from hla_jax.ops import reference
 from hla_jax.ops.common import clamp_signed, with_ones_column
+from hla_jax.ops.families import hla2 as fam
+from hla_jax.ops.families import linear
 
 FORMS = ("recurrent", "scan", "chunked")
 D, DV = 5, 3

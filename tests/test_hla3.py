@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hla_jax import ops
-from hla_jax.ops import hla3_family as F
 from hla_jax.ops import reference
+from hla_jax.ops.families import hla3 as F
 
 B, H, D, DV = 2, 2, 4, 3
 _inputs = functools.partial(make_inputs, B=B, H=H, d=D, dv=DV)

@@ -99,3 +99,24 @@ def test_module_file_names_are_unique():
     dup = {name: sorted(str(p.relative_to(PACKAGE)) for p in stack if p.name == name)
            for name, n in names.items() if n > 1}
     assert not dup, f"file names used more than once in hla_jax: {dup}"
+
+
+def test_a_package_names_its_modules_once_and_no_function_hides_one():
+    """A package's namespace holds a module only under the module's own name (no
+    ``ops.linear_family`` beside ``ops.linear``), and no function of it has a submodule's name
+    (``ops.hla2`` the function would hide a module ``hla_jax.ops.hla2``)."""
+    import importlib
+    import inspect
+
+    bad = []
+    for name, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        package = importlib.import_module(name)
+        for attr, value in vars(package).items():
+            if inspect.ismodule(value) and value.__name__.startswith("hla_jax") \
+                    and value.__name__ != f"{name}.{attr}":
+                bad.append(f"{name}.{attr} is {value.__name__}")
+            if callable(value) and not inspect.ismodule(value) and f"{name}.{attr}" in MODULES:
+                bad.append(f"{name}.{attr} hides the module {name}.{attr}")
+    assert not bad, bad

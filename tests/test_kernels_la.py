@@ -136,8 +136,8 @@ def test_bf16(rng):
 def core(T, every, **kw):
     """``(o, hT)`` of ``la_walks.core`` from ``h0`` (chunk 16, value tiles 16 / 32)."""
     def fn(q, k, v, g, h0):
-        p = la_walks.prepare(q, k, v, g, chunk_size=16, interpret=True, block_v=16, block_v_bwd=32,
-                             checkpoint_every=every, **kw)
+        p = la_walks.prepare(q, k, v, g, **{"backend": "triton", **kw}, chunk_size=16,
+                             interpret=True, block_v=16, block_v_bwd=32, checkpoint_every=every)
         o, hT = la_walks.core(p.q, p.k, p.v, p.b, h0, p.cfg)
         return o[:, :T], hT
     return fn
@@ -187,7 +187,7 @@ def test_rejects_bad_input(rng):
         la_pallas(q, k[..., :8], v)
     for kw, match in [(dict(block_v=24), "block_v"), (dict(checkpoint_every=0), "checkpoint_every")]:
         with pytest.raises(ValueError, match=f"la_pallas: {match}"):
-            la_walks.prepare(q, k, v, None, **kw)
+            la_walks.prepare(q, k, v, None, backend="triton", **kw)
 
 
 def test_float32_at_head_dim_128_gets_smaller_tiles_on_gpu(rng, monkeypatch):

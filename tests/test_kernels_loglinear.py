@@ -1,5 +1,7 @@
 """Log-linear Mamba-2 Pallas kernels (interpret mode on CPU) vs the quadratic reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from hla_jax.kernels.loglinear.loglinear_chunk import (
     half_state,
     live,
 )
-from hla_jax.ops import reference
+from hla_jax.ops import levels, reference
 
 TOL = 2e-3
 KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
@@ -75,13 +77,15 @@ def test_loglinear_mamba2_pallas_reset_gate(rng):
 @pytest.mark.parametrize("backend", ["triton", "tpu"])
 def test_packed_documents_equal_documents_alone(rng, backend):
     """``segment_ids`` (documents of 13, 1, 28, 19 tokens, starting mid-chunk, and a row of one
-    document) through the aligned layout: outputs and every gradient equal the reference with
-    the documents' own levels, through the kernel entry and through ``ops`` (impl="pallas")."""
+    document) through the aligned layout (``ops.levels.packed`` over the kernel entry): outputs and
+    every gradient equal the reference with the documents' own levels, and through ``ops``
+    (impl="pallas")."""
     B, T, H = 2, 61, 2
     q, k, v = make_qkv(rng, B, T, H, 16, 16)
     seg = jnp.asarray(np.stack([np.repeat([0, 1, 2, 3], [13, 1, 28, 19]), np.zeros(T, int)]))
-    ker = lambda *a: loglinear_mamba2_pallas(*a, segment_ids=seg, chunk_size=16, block_v=16,
-                                             block_v_bwd=16, interpret=True, backend=backend)
+    kernel = functools.partial(loglinear_mamba2_pallas, chunk_size=16, block_v=16,
+                               block_v_bwd=16, interpret=True, backend=backend)
+    ker = lambda q, k, v, g, lam: levels.packed(kernel, q, k, v, g, (), lam, seg)  # noqa: E731
     args = (q, k, v, make_gate(rng, B, T, H), _lam(rng, B, T, H))
     want = lambda *a: reference.loglinear_mamba2(*a, segment_ids=seg)
     assert_close(ker(*args), want(*args), TOL)

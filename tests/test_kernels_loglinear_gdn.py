@@ -1,5 +1,7 @@
 """Log-linear Gated DeltaNet Pallas kernels (interpret mode on CPU) vs the quadratic reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from hla_jax import ops
 from hla_jax.core import fenwick
 from hla_jax.kernels import loglinear_gated_deltanet_pallas
 from hla_jax.kernels.loglinear_gdn import loglinear_gdn_chunk as chunk
-from hla_jax.ops import reference
+from hla_jax.ops import levels, reference
 
 TOL = 2e-3
 KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
@@ -82,7 +84,7 @@ def test_bf16_keys_around_one_direction(rng):
 def _blocks_on_ut(*args):
     """The block form with its chunk terms from the UT kernel (the GPU and Triton interpreters on
     CPU)."""
-    from hla_jax.ops import loglinear_gdn_blocks
+    from hla_jax.ops.xla import loglinear_gdn_blocks
     return loglinear_gdn_blocks.blocks(*args, 64, "kernel")
 
 
@@ -94,7 +96,7 @@ def test_block_form_on_the_ut_kernel_matches_reference(rng, B, T, H, d, dv):
     """``loglinear_gdn_blocks.blocks(terms="kernel")``: outputs and all six gradients (``T``'s
     own cotangent handed to the UT backward, which gives the gate's share), and the same outputs
     as the XLA terms to float32 rounding."""
-    from hla_jax.ops import loglinear_gdn_blocks
+    from hla_jax.ops.xla import loglinear_gdn_blocks
 
     args = _inputs(rng, B, T, H, d, dv)
     _check(rng, args, _blocks_on_ut)
@@ -117,7 +119,7 @@ def test_block_form_on_the_ut_kernel_bf16_and_reset(rng):
     for x in grads_of(_blocks_on_ut, (q, k, v, g, beta, lam), tuple(range(6)), w):
         assert np.all(np.isfinite(np.asarray(x)))
     with pytest.raises(ValueError, match="chunk_size=64"):
-        from hla_jax.ops import loglinear_gdn_blocks
+        from hla_jax.ops.xla import loglinear_gdn_blocks
         loglinear_gdn_blocks.blocks(q, k, v, g, beta, lam, 32, "kernel")
     with pytest.raises(ValueError, match="terms must be"):
         loglinear_gdn_blocks.blocks(q, k, v, g, beta, lam, 64, "triton")
@@ -141,11 +143,12 @@ def test_auto_takes_the_ut_terms_where_the_kernel_runs(rng, monkeypatch):
     ``gated_deltanet``'s kernel would run (a Hopper GPU with bf16 inputs; faked here), XLA's
     terms with ``impl="chunked"``."""
     from hla_jax.kernels.gdn import gdn_entry
-    from hla_jax.ops import dispatch, loglinear_gdn_blocks
+    from hla_jax.ops.families import loglinear
+    from hla_jax.ops.xla import loglinear_gdn_blocks
 
     q, k, v, g, beta, lam = _inputs(rng, 1, 100, 2, 16, 64)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    monkeypatch.setattr(dispatch, "pallas_preferred", lambda c: True)
+    monkeypatch.setattr(loglinear, "kernels_preferred", lambda c: True)
     monkeypatch.setattr(gdn_entry, "supports", lambda *a: True)
     auto = ops.loglinear_gated_deltanet(q, k, v, g, beta, lam)
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(_blocks_on_ut(q, k, v, g, beta, lam)))
@@ -177,7 +180,7 @@ def test_chunk_terms_backward_kernel_is_the_vjp(rng, d, dv):
     from hla_jax.kernels.la.la_chunk import decays
     from hla_jax.kernels.loglinear_gdn import gdn_terms_mgpu
     from hla_jax.kernels.mosaic_gpu import LOG2E
-    from hla_jax.ops.loglinear_chunked import delta_terms
+    from hla_jax.ops.xla.loglinear_chunked import delta_terms
 
     B, H, C, N = 1, 2, 64, 2
     Tp = N * C
@@ -224,7 +227,7 @@ def _output_of(kernel, c=16):
     (``core.block_levels.chunk_window``, ``ops.loglinear_gdn_blocks._levels``), tokens first."""
     from hla_jax.core.block_levels import chunk_window
     from hla_jax.kernels.loglinear_gdn import gdn_blocks
-    from hla_jax.ops import loglinear_gdn_blocks
+    from hla_jax.ops.xla import loglinear_gdn_blocks
 
     lc = fenwick.chunk_log2(c)
     if kernel:
@@ -332,13 +335,15 @@ def test_reset_gate_stays_finite(rng):
 @pytest.mark.parametrize("backend", ["triton", "tpu"])
 def test_packed_documents_equal_documents_alone(rng, backend):
     """``segment_ids`` (documents of 13, 1, 28, 19 tokens, starting mid-chunk, and a row of one
-    document) through the aligned layout: output and all six gradients equal the reference with
-    the documents' own levels, through the kernel entry and through ``ops`` (impl="pallas")."""
+    document) through the aligned layout (``ops.levels.packed`` over the kernel entry): output and
+    all six gradients equal the reference with the documents' own levels, and through ``ops``
+    (impl="pallas")."""
     B, T, H = 2, 61, 2
     args = _inputs(rng, B, T, H, 16, 16)
     seg = jnp.asarray(np.stack([np.repeat([0, 1, 2, 3], [13, 1, 28, 19]), np.zeros(T, int)]))
-    ker = lambda *a: loglinear_gated_deltanet_pallas(*a, segment_ids=seg, chunk_size=16,
-                                                     interpret=True, backend=backend)
+    kernel = functools.partial(loglinear_gated_deltanet_pallas, chunk_size=16, interpret=True,
+                               backend=backend)
+    ker = lambda q, k, v, g, beta, lam: levels.packed(kernel, q, k, v, g, (beta,), lam, seg)  # noqa: E731
     want = lambda *a: reference.loglinear_gated_deltanet(*a, segment_ids=seg)
     assert_close(ker(*args), want(*args), TOL)
     w = jnp.asarray(rng.normal(size=args[2].shape), jnp.float32)

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 from helpers import assert_close, devices_env, grads_of, make_gate, make_qkv, rel_err
 
-from hla_jax import ops
-from hla_jax.ops import la_chunked
 from hla_jax.ops import reference as ref
+from hla_jax.ops.xla import la_chunked, ssm_forms
 
 
 def _inputs(rng, T, dtype=np.float64, B=2, H=2, d=5, dv=3, resets=()):
@@ -63,11 +62,11 @@ def test_gradients(x64, rng, T, resets):
 
 @pytest.mark.parametrize("T", [1, 37])
 def test_states_are_the_recurrence(x64, rng, T):
-    """From an initial state, outputs and the final state equal ``linear_family.recurrent``."""
+    """From an initial state, outputs and the final state equal ``xla.ssm_forms.recurrent``."""
     q, k, v, g = _inputs(rng, T, resets=(min(T - 1, 20),))
     h0 = jnp.asarray(rng.normal(size=(2, 2, 5, 3)))
     out, final = la_chunked.chunked(q, k, v, g, 16, initial_state=h0)
-    want, want_final = ops.linear_family.recurrent(q, k, v, g, initial_state=h0)
+    want, want_final = ssm_forms.recurrent(q, k, v, g, initial_state=h0)
     assert_close(out, want, 1e-10)
     assert_close(final, want_final, 1e-10, "final state")
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hla_jax import ops
-from hla_jax.ops import linear
 from hla_jax.ops import reference as ref
+from hla_jax.ops.families import linear
 
 FORMS = [("recurrent", 64), ("scan", 64), ("chunked", 16), ("chunked", 32), ("chunked", 64)]
 
@@ -61,7 +61,7 @@ def test_gradients(x64, rng, impl, chunk):
 def test_step_token_by_token(x64, rng):
     q, k, v, g = _inputs(rng, 21)
     full = ops.mamba2(q, k, v, g, impl="chunked", chunk_size=16)
-    state = linear.init_state(2, 2, 5, 3, jnp.float64)
+    state = linear.init_state(2, 2, 5, 3, dtype=jnp.float64)
     step = jax.jit(linear.step)
     for t in range(q.shape[1]):
         o, state = step(state, q[:, t], k[:, t], v[:, t], g[:, t])
@@ -70,7 +70,7 @@ def test_step_token_by_token(x64, rng):
 
 def test_step_without_gate(x64, rng):
     q, k, v, _ = _inputs(rng, 6)
-    state = linear.init_state(2, 2, 5, 3, jnp.float64)
+    state = linear.init_state(2, 2, 5, 3, dtype=jnp.float64)
     outs = []
     for t in range(6):
         o, state = linear.step(state, q[:, t], k[:, t], v[:, t])

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from hla_jax import ops
 from hla_jax.core import fenwick
-from hla_jax.ops import loglinear
 from hla_jax.ops import reference as ref
+from hla_jax.ops.xla import ssm as loglinear
 
 OPS = {  # name -> (operator, reference, uses beta, uses lam)
     "loglinear_mamba2": (ops.loglinear_mamba2, ref.loglinear_mamba2, False, True),
@@ -251,7 +251,7 @@ def test_gated_deltanet_block_form_bf16_has_no_loop(rng):
 def test_block_form_is_taken_only_on_the_grid(x64, rng, name):
     """Packed documents and states keep the counter form (levels off the grid); both equal the
     oracle, and the block form is the grid case."""
-    from hla_jax.ops import loglinear_blocks, loglinear_gdn_blocks
+    from hla_jax.ops.xla import loglinear_blocks, loglinear_gdn_blocks
 
     xs = _inputs(rng, 70)
     args = _args(name, xs)

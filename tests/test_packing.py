@@ -13,7 +13,7 @@ from helpers import data_cfg as plain_data_cfg
 
 from hla_jax import data
 from hla_jax.data.prepare import prepare
-from hla_jax.nn import LM, MIXER_CLASSES, MIXERS, ModelConfig
+from hla_jax.nn import LM, MIXERS, ModelConfig, make_mixer
 from hla_jax.nn.layers import ShortConv
 from hla_jax.train.steps import token_nll
 
@@ -105,7 +105,7 @@ def test_softmax_masks_across_documents(rng):
     """Softmax attention on a packed row (RoPE positions from each document's start) = each
     document alone; changing one document changes no other."""
     cfg = tiny("softmax")
-    attn = MIXER_CLASSES["softmax"](cfg, rngs=nnx.Rngs(0), out_std=cfg.init_std)
+    attn = make_mixer("softmax", cfg, rngs=nnx.Rngs(0), out_std=cfg.init_std)
     x = jnp.asarray(rng.normal(size=(1, T, cfg.d_model)), jnp.float32)
     segments = jnp.asarray(row_segments()[None])
     packed = attn(x, segments)

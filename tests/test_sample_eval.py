@@ -22,7 +22,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from hla_jax import evaluate as evaluate_lib
 from hla_jax import sample as sample_lib
 from hla_jax.nn import LM, generate, generate_stream
-from hla_jax.nn.generate import sample_token
+from hla_jax.nn.decoding import sample_token
 from hla_jax.train import train_and_evaluate
 from hla_jax.train.config import base_config, mixer_pattern
 from hla_jax.train.restore import load_run

@@ -18,7 +18,9 @@ import pytest
 from helpers import assert_close, devices_env, make_inputs, step_outputs
 
 from hla_jax import ops
-from hla_jax.ops import ahla_family, hla2_family, hla3_family
+from hla_jax.ops.families import ahla as ahla_family
+from hla_jax.ops.families import hla2 as hla2_family
+from hla_jax.ops.families import hla3 as hla3_family
 
 H, D, DV, CHUNK = 2, 4, 3, 16
 LENGTHS = ((13, 1, 28, 19), (61,))  # documents of each row: several chunks, starts mid-chunk

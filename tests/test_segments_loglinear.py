@@ -21,7 +21,7 @@ from helpers import assert_close, devices_env, grads_of, make_gate, make_qkv, re
 from hla_jax import ops
 from hla_jax.core import fenwick
 from hla_jax.core.state import LevelState
-from hla_jax.ops import loglinear
+from hla_jax.ops.xla import ssm as loglinear
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LL_M2, LL_GDN, GDN, M2 = "loglinear_mamba2", "loglinear_gated_deltanet", "gated_deltanet", "mamba2"
@@ -196,7 +196,7 @@ def test_step_continues_a_chunked_prefill(x64, rng, name):
 def test_pallas_continues_a_state(rng, name, t0, T):
     """``impl="pallas"`` with ``initial_state`` and ``return_final_state`` (the log-linear
     kernels on the row, composed with one first-order pass for the state's reads and the final
-    state: ``kernels.loglinear.loglinear_entry.from_state``) equals the recurrence from the same
+    state: ``ops.levels.from_state``) equals the recurrence from the same
     state, rows at different positions, a −∞ reset in the row: outputs, final state, and the
     gradients of every input and the initial state (float32, the kernels in interpret mode)."""
     L = fenwick.num_levels(300)

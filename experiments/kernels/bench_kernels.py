@@ -19,16 +19,16 @@ Methods (``methods()``), each ``fn(q, k, v, g, beta, lam)``:
 - ``cudnn_causal``: ``jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")``;
 - ``mamba2_xla_chunked``, ``gated_deltanet_xla_chunked``, ``<op>_xla_chunked``: ``impl="chunked"``;
 - only when named in ``--methods``: log-linear Mamba-2's block form (``loglinear_mamba2_blocks``:
-  ``impl="chunked"``, ``ops.loglinear_blocks``) and its Pallas kernels (``loglinear_mamba2_pallas``),
+  ``impl="chunked"``, ``ops.xla.loglinear_blocks``) and its Pallas kernels (``loglinear_mamba2_pallas``),
   log-linear Gated DeltaNet's kernel and block form (``loglinear_gdn_pallas``,
-  ``loglinear_gdn_blocks``: ``impl="chunked"``, ``ops.loglinear_gdn_blocks``; ``loglinear_gdn_blocks_ut``:
+  ``loglinear_gdn_blocks``: ``impl="chunked"``, ``ops.xla.loglinear_gdn_blocks``; ``loglinear_gdn_blocks_ut``:
   the same block form with its chunk terms from the first-order kernel's UT transform,
   ``terms="kernel"``, which ``impl="auto"`` takes on a Hopper GPU) and the wheel's plain-JAX
   ``jla_log_linear_simple_gla``, which runs out of memory at B·T = 65536, so it and a twin row of
   our kernel (``loglinear_mamba2_pallas_16k``) run at B·T = 16384 (``SMALL_TOKENS``); and the
   two log-linear operators continuing a state at position ``T`` (``loglinear_mamba2_state_pallas``,
   ``loglinear_gdn_state_pallas``: the kernels composed by
-  ``kernels.loglinear.loglinear_entry.from_state``; ``…_state_chunked``: the counter form
+  ``ops.levels.from_state``; ``…_state_chunked``: the counter form
   ``impl="auto"`` takes for states).
 
 The default ``--methods`` (``DEFAULT_METHODS``) are the ones ``TARGETS`` compare plus the XLA rows.
@@ -68,7 +68,7 @@ from experiments import common
 from hla_jax import kernels, ops
 from hla_jax.core import fenwick
 from hla_jax.core.state import LevelState
-from hla_jax.ops import loglinear_gdn_blocks
+from hla_jax.ops.xla import loglinear_gdn_blocks
 
 HLA = ("hla2", "ahla", "hla3")
 

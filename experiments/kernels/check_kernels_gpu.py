@@ -28,9 +28,9 @@ Kernels (``CASES``), compiled, not interpreted:
   initial_state=LevelState(H0, STATE_T0), return_final_state=True)``, the kernels on the row
   composed with one first-order pass, against the float64 recurrence from the same state);
 - ``loglinear_mamba2_blocks``, ``loglinear_gated_deltanet_blocks``: ``ops.<name>(impl="chunked")``,
-  the block forms (``ops.loglinear_blocks``, ``ops.loglinear_gdn_blocks``: XLA matmuls, no kernel
+  the block forms (``ops.xla.loglinear_blocks``, ``ops.xla.loglinear_gdn_blocks``: XLA matmuls, no kernel
   of their own), GPU numerics checked the same way;
-- ``loglinear_gated_deltanet_blocks_ut``: ``ops.loglinear_gdn_blocks.blocks(terms="kernel")``, that
+- ``loglinear_gated_deltanet_blocks_ut``: ``ops.xla.loglinear_gdn_blocks.blocks(terms="kernel")``, that
   block form with its chunk terms from the first-order kernel's Mosaic GPU UT transform and the
   Triton chunk-terms kernel (``kernels/loglinear_gdn/gdn_terms_triton.py``), their backward
   Mosaic GPU's (``kernels/loglinear_gdn/gdn_terms_mgpu.py``, then the UT backward), and the
@@ -83,7 +83,8 @@ from hla_jax.core import fenwick
 from hla_jax.core.documents import doc_starts
 from hla_jax.core.state import LevelState
 from hla_jax.kernels import wrap
-from hla_jax.ops import loglinear_gdn_blocks, reference
+from hla_jax.ops import reference
+from hla_jax.ops.xla import loglinear_gdn_blocks
 
 HLA = ("hla2", "ahla", "hla3")
 LOGLINEAR = ("loglinear_mamba2", "loglinear_gated_deltanet")

@@ -1,5 +1,5 @@
 """The chunk levels of the log-linear block forms (docs/math.md#loglinear) on the grid of
-positions, shared by the XLA block forms (``ops.loglinear_blocks``, ``ops.loglinear_gdn_blocks``)
+positions, shared by the XLA block forms (``ops.xla.loglinear_blocks``, ``ops.xla.loglinear_gdn_blocks``)
 and the kernels.
 
 Chunk ``n' < n`` (chunks of ``c = 2^lc`` tokens) is at level ``lc + 1 + j``,

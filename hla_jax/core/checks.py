@@ -90,8 +90,7 @@ def check_per_token(x, B: int, T: int, H: int, arg: str, *, name: str = "operato
 
 def check_segment_ids(segment_ids, B: int, T: int, *, name: str = "operator"):
     """``segment_ids: [B,T]`` int (docs/math.md#packed-documents: consecutive equal ids form one
-    document) or ``None``;
-    ValueError naming the argument otherwise."""
+    document) or ``None``; ValueError naming the argument otherwise."""
     if segment_ids is None:
         return None
     s = jnp.asarray(segment_ids)

@@ -1,5 +1,7 @@
-"""Layouts of the time axis: zero-padding to chunks, chunks with heads first, and the buffer in
-which every packed document starts on an aligned block of its own (docs/math.md#packed-documents).
+"""Layouts of the time axis: zero-padding to chunks, chunks with heads first (``to_chunks``,
+``[B,H,N,c,…]``) or with the chunk index first for a scan over them (``scan_chunks``,
+``[N,B·H,c,…]``), and the buffer in which every packed document starts on an aligned block of its
+own (docs/math.md#packed-documents).
 """
 
 from __future__ import annotations
@@ -38,6 +40,24 @@ def from_chunks(x, T: int):
     B, H, N, c = x.shape[:4]
     x = jnp.moveaxis(x, 1, 3).reshape(B, N * c, H, *x.shape[4:])
     return x[:, :T]
+
+
+def scan_chunks(x, c: int):
+    """``[B,T,H,...] -> [N,B·H,c,...]``, ``N = ⌈T/c⌉``: chunks first, as ``lax.scan`` walks them,
+    batch and heads merged into one batch axis of the matmuls; the tail is zero-padded (a zero
+    token writes nothing and decays nothing)."""
+    B, T, H = x.shape[:3]
+    N = -(-T // c)
+    x = jnp.pad(x, [(0, 0), (0, N * c - T)] + [(0, 0)] * (x.ndim - 2))
+    x = jnp.moveaxis(x.reshape(B, N, c, H, *x.shape[3:]), (1, 2), (0, 3))
+    return x.reshape(N, B * H, c, *x.shape[4:])
+
+
+def from_scan_chunks(x, T: int, B: int):
+    """``[N,B·H,c,...] -> [B,T,H,...]``, dropping the padding."""
+    N, BH, c = x.shape[:3]
+    x = jnp.moveaxis(x.reshape(N, B, BH // B, c, *x.shape[3:]), (0, 3), (1, 2))
+    return x.reshape(B, N * c, BH // B, *x.shape[4:])[:, :T]
 
 
 def heads_first(x, Tp: int, dtype):

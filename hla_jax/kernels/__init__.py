@@ -5,9 +5,8 @@ interpret-tested): first-order gated linear attention ``la_pallas`` (``la/``; th
 Pallas chains, ``ops.chains``), first-order Gated DeltaNet ``gated_deltanet_pallas`` (``gdn/``)
 and the log-linear kernels (``loglinear/``, ``loglinear_gdn/``).  Each ``*_pallas`` entry checks
 its inputs and calls its ``*_kernel`` twin, which the operators call on inputs they have
-checked.  Shared: ``wrap`` (backend
-choice, launch settings, padding), ``mosaic_gpu``, ``triton`` and ``mosaic_tpu`` (each backend's
-helpers)."""
+checked.  Shared: ``wrap`` (backend choice, launch settings, padding), ``mosaic_gpu``,
+``triton`` and ``mosaic_tpu`` (each backend's helpers)."""
 
 from hla_jax.kernels.gdn.gdn_entry import gated_deltanet_kernel, gated_deltanet_pallas
 from hla_jax.kernels.la.la_entry import la_kernel, la_pallas

@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass, validated on construction.
+"""Model configuration: one frozen dataclass, validated once, on construction.
 
     cfg = ModelConfig(d_model=64, n_layers=2, n_heads=2, mixer_pattern=("hla2", "hla2", "softmax"))
     cfg = ModelConfig.from_dict({"d_model": 64, "mixer_pattern": ["hla2"]})
@@ -14,14 +14,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from hla_jax.ops import registry
 from hla_jax.ops.sequence import SEQ_IMPLS
 
-MIXERS = (
-    "softmax", "linear", "hla2", "ahla", "hla3", "mamba2", "gated_deltanet",
-    "loglinear_mamba2", "loglinear_gated_deltanet",
-)
+MIXERS = ("softmax", *registry.MIXERS)  # softmax attention and the registry's operators
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-IMPLS = ("reference", "recurrent", "scan", "chunked", "pallas", "auto")
+IMPLS = (*registry.IMPLS, "auto")
 OUTPUT_GATES = ("silu", "sigmoid", "none")
 
 
@@ -31,10 +29,11 @@ class ModelConfig:
 
     ``head_dim=0`` means ``d_model // n_heads``.  Every mixer maps ``d_model -> n_heads ×
     head_dim`` and back, so ``n_heads * head_dim`` must equal ``d_model``.
-    ``qk_norm`` (L2-normalised q/k, q scaled by ``head_dim**-0.5``) applies to the ``linear`` and
-    HLA mixers; the Gated DeltaNet mixers always L2-normalise (the delta rule needs unit keys),
-    Mamba-2 and softmax follow their published forms (no q/k normalisation).
-    ``hla_decay`` adds a learned Mamba-style decay gate to the ``linear`` and HLA mixers;
+    ``qk_norm`` (L2-normalised q/k, q scaled by ``head_dim**-0.5``) applies to the mixers of the
+    "qk" feature map (linear and HLA, ``nn.recurrent``); the Gated DeltaNet mixers always
+    L2-normalise (the delta rule needs unit keys), Mamba-2 and softmax follow their published
+    forms (no q/k normalisation).
+    ``hla_decay`` adds a learned Mamba-style decay gate to the "qk" mixers;
     ``hla_normalize`` uses the ratio-normalised HLA readout; ``hla_conv`` gives them the short
     causal convolution on q, k, v (width ``conv_size``) that the Mamba-2 / Gated DeltaNet
     mixers always have.  ``hla_conv`` and ``hla_decay`` are on by default: without them the HLA
@@ -132,6 +131,10 @@ class ModelConfig:
         if self.output_gate not in OUTPUT_GATES:
             raise ValueError(
                 f"ModelConfig.output_gate must be one of {OUTPUT_GATES}, got {self.output_gate!r}")
+        levels = [m for m in self.mixer_pattern if m != "softmax" and registry.MIXERS[m].lam]
+        if levels and self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"ModelConfig.chunk_size must be a power of two with the log-linear "
+                             f"mixers {levels}, got {self.chunk_size}")
         if self.conv_size < 0 or self.mlp_hidden < 0:
             raise ValueError("ModelConfig.conv_size and mlp_hidden must be >= 0")
         return self

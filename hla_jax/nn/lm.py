@@ -19,7 +19,7 @@ from flax import nnx
 from hla_jax.core.checks import check_segment_ids
 from hla_jax.nn.config import ModelConfig
 from hla_jax.nn.layers import Dense, RMSNorm, SwiGLU, param
-from hla_jax.nn.mixers import MIXER_CLASSES
+from hla_jax.nn.mixers import make_mixer
 
 
 class Block(nnx.Module):
@@ -29,7 +29,7 @@ class Block(nnx.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.mixer_name = mixer
         self.norm1 = RMSNorm((cfg.d_model,), ("embed",), rngs=rngs, eps=cfg.norm_eps)
-        self.mixer = MIXER_CLASSES[mixer](cfg, rngs=rngs, out_std=out_std)
+        self.mixer = make_mixer(mixer, cfg, rngs=rngs, out_std=out_std)
         self.norm2 = RMSNorm((cfg.d_model,), ("embed",), rngs=rngs, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, rngs=rngs, std=cfg.init_std, out_std=out_std)
 
@@ -52,7 +52,6 @@ class LM(nnx.Module):
     """Token embedding -> ``n_layers`` blocks (mixers from ``cfg.mixer_pattern``) -> logits."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        cfg.validate()
         self.cfg = cfg
         self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                            ("vocab", "embed"))
@@ -75,10 +74,9 @@ class LM(nnx.Module):
         only the logits there, ``[B,P,vocab]`` (a loss read at a few positions skips the rest
         of the vocabulary projection); ``positions: [P] int`` are flat indices ``b·T + t`` into
         the batch (rows with different numbers of scored positions, no padding per row),
-        ``[P,vocab]``.  ``segment_ids: [B,T] int``: packed documents
-        (consecutive equal ids form one document, docs/math.md#packed-documents); each document's logits
-        are those
-        it would get alone."""
+        ``[P,vocab]``.  ``segment_ids: [B,T] int``: packed documents (consecutive equal ids form
+        one document, docs/math.md#packed-documents), checked here once for every layer; each
+        document's logits are those it would get alone."""
         segment_ids = check_segment_ids(segment_ids, *tokens.shape, name="LM")
         x = self._embed(tokens)
         for block in self.blocks:

@@ -1,18 +1,33 @@
-"""The shared skeleton of every recurrent (linear, HLA, SSM) token mixer, and its gates.
+"""The token mixer of every recurrent operator (linear, HLA, SSM), composed from the operator's
+``ops.spec.Spec``, and its gates.
 
     q, k, v = x W_q, x W_k, x W_v                       [B,T,H,d]   (x: [B,T,D], RMS-normalised)
-    q, k, v = SiLU(causal_depthwise_conv(q, k, v))       when the family uses a short conv
-    inputs  = features(x, q, k, v)                       q/k normalisation, gates g, β, λ, v = dt·x, ...
-    o       = op(inputs)                                 hla_jax.ops entry, impl=cfg.impl
-                                                         (ops.sequence.over_time if cfg.seq_axis)
+    q, k, v = SiLU(causal_depthwise_conv(q, k, v))       when the mixer has a short conv
+    inputs  = features(x, q, k, v)                       q/k normalisation, gates g, β, λ, v = dt·x
+    o       = the operator's form, impl=cfg.impl         (ops.sequence.over_time if cfg.seq_axis)
     y       = W_o (RMSNorm_h(o) ∘ act(x W_z))            OutputGate
+
+What the spec says decides the parts (published architectures):
+
+- feature map ``spec.features``: "qk" (linear and HLA): q, k L2-normalised and q scaled by
+  ``d**-0.5`` when ``cfg.qk_norm``, the decay gate when ``cfg.hla_decay``, the conv when
+  ``cfg.hla_conv``; "mamba2": conv + SiLU on (x, B, C), ``q = C``, ``k = B``,
+  ``v = dt·x``, ``g = −exp(A_log)·dt``, plus ``D ∘ x`` skip; "delta" (Gated DeltaNet): conv,
+  decay, q, k always L2-normalised (the delta rule needs unit keys);
+- ``spec.beta``: ``β = sigmoid(x W_β)``; ``spec.lam``: ``λ = softplus(s · x W_λ)`` with
+  ``cfg.num_levels`` levels; ``spec.normalize``: the ratio-normalised readout when
+  ``cfg.hla_normalize``.
+
+The output block is shared (``layers.OutputGate``: norm then gate, Gated DeltaNet's order;
+Mamba-2 gates before its norm, a difference we accept to share one output block).
 
 Packed documents: ``segment_ids: [B,T]`` go to the conv (no tap across a document start) and to
 the op (docs/math.md#packed-documents: each document as if alone); everything else acts per token.
 
-Decoding keeps ``{"conv": last K-1 conv inputs, "state": the family's recurrent state}``.
+Decoding keeps ``{"conv": last K-1 conv inputs, "state": the operator's decode state}``
+(``spec.init_state`` / ``spec.step``).
 Prefill is one parallel pass: the op's chunked form (or kernel) returns its outputs and its final
-state together (``return_final_state``, the layout of the family's ``init_state``/``step``), so
+state together (``return_final_state``, the layout of ``spec.init_state``), so
 decoding continues from exactly that state with no serial pass over the prompt.  With
 ``segment_ids`` (e.g. left-padded prompts of different lengths) the state is that of each row's
 last document.
@@ -28,7 +43,8 @@ import numpy as np
 from flax import nnx
 
 from hla_jax.nn.layers import Dense, OutputGate, ShortConv, head_projection, l2_normalize, param
-from hla_jax.ops import sequence
+from hla_jax.ops import dispatch, sequence
+from hla_jax.ops.spec import Call, Spec
 
 
 class DecayGate(nnx.Module):
@@ -80,32 +96,70 @@ def normalize_qk(q, k):
 
 
 class RecurrentMixer(nnx.Module):
-    """Projections, optional short conv, op, output norm/gate; subclasses define the family.
+    """A recurrent operator's token mixer (module docstring): projections, the short conv, the
+    feature map and gates that ``spec`` asks for, the operator, the output norm and gate.
 
-    Subclasses set ``uses_conv`` and implement ``features(x, q, k, v) -> dict`` (the op's inputs,
-    shapes ``[B,T,H,...]`` or, when decoding, ``[B,H,...]``), ``op(f, seq_axis, segment_ids)``
-    (through ``apply_op``), ``op_init(batch)`` and ``op_step(state, f_t) -> (o_t, state)`` (a
-    log-linear state carries its rows' positions); ``readout(o, v)`` may add a skip term.  The
-    forward pass shards the op over ``cfg.seq_axis``; prefill runs it unsharded.
+    Called as ``mixer(x [B,T,D], segment_ids=None)`` (``segment_ids [B,T]``, checked by the
+    model, for packed documents: each document mixed exactly as if alone); decoding through
+    ``init_cache``, ``prefill`` and ``step``.  The forward pass shards the operator over
+    ``cfg.seq_axis``; prefill runs it unsharded.
     """
 
-    uses_conv = False
-
-    def __init__(self, cfg, *, rngs, out_std):
+    def __init__(self, cfg, spec: Spec, *, rngs, out_std):
         H, d = cfg.n_heads, cfg.head_dim
-        self.cfg = cfg
+        gated = spec.features != "qk"  # Mamba-2 and Gated DeltaNet: conv and decay always
+        self.cfg, self.spec = cfg, spec
         self.q, self.k, self.v = (head_projection(cfg, rngs=rngs) for _ in range(3))
         self.conv = (ShortConv(cfg.conv_size, H, 3 * d, rngs=rngs)
-                     if self.uses_conv and cfg.conv_size > 0 else None)
+                     if (gated or cfg.hla_conv) and cfg.conv_size > 0 else None)
         self.output = OutputGate(cfg, rngs=rngs, out_std=out_std)
+        self.decay = DecayGate(cfg, rngs=rngs) if gated or cfg.hla_decay else None
+        self.beta = (Dense((cfg.d_model,), (H,), ("embed", "heads"), rngs=rngs, std=cfg.init_std)
+                     if spec.beta else None)
+        self.lam = LevelWeights(cfg, rngs=rngs) if spec.lam else None
+        self.skip = (param(rngs, nnx.initializers.ones, (H,), ("heads",))
+                     if spec.features == "mamba2" else None)
+
+    @property
+    def normalize(self) -> bool:
+        return self.spec.normalize and self.cfg.hla_normalize
+
+    def features(self, x, q, k, v) -> dict:
+        """The operator's inputs ``q, k, v, g, beta, lam`` (``[B,T,H,...]``, or ``[B,H,...]``
+        when decoding; None where it has none)."""
+        g = dt = None
+        if self.decay is not None:
+            g, dt = self.decay(x)
+        if self.spec.features == "delta" or (self.spec.features == "qk" and self.cfg.qk_norm):
+            q, k = normalize_qk(q, k)
+        if self.spec.features == "mamba2":
+            v = (dt[..., None] * v.astype(jnp.float32)).astype(v.dtype)
+        beta = None if self.beta is None else jax.nn.sigmoid(self.beta(x).astype(jnp.float32))
+        lam = None if self.lam is None else self.lam(x)
+        return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "lam": lam}
 
     def readout(self, o, v):
-        """The op output plus any skip term (``v`` after the conv); identity by default."""
-        return o
+        """The operator's output plus Mamba-2's skip ``D ∘ v`` (``v`` after the conv)."""
+        return o if self.skip is None else o + self.skip[...][:, None] * v.astype(o.dtype)
 
-    # -- shared machinery -----------------------------------------------------------------
-    def _split(self, qkv):
-        return tuple(jnp.split(qkv, 3, axis=-1))
+    def op(self, f: dict, impl: str, seq_axis: str = "", segment_ids=None,
+           return_final_state: bool = False):
+        """The operator's form ``impl`` on ``f`` (``dispatch.apply`` on a ``Call`` built here:
+        the model checked its inputs once, ``ModelConfig.validate`` the settings); with
+        ``seq_axis`` through ``ops.sequence.over_time``.  Returns ``(o, final_state or None)``."""
+        cfg = self.cfg
+        if self.lam is not None:
+            level_count_ok(cfg, f["q"].shape[1])
+
+        def call(q, k, v, g=None, beta=None, lam=None, segment_ids=None, seq_axis=None):
+            return dispatch.apply(impl, Call(self.spec, q, k, v, g, beta, lam, segment_ids,
+                                             None, return_final_state, cfg.chunk_size, seq_axis,
+                                             self.normalize))
+
+        arrays = f | {"segment_ids": segment_ids}
+        if seq_axis:
+            return sequence.over_time(lambda **a: call(**a)[0], seq_axis)(**arrays), None
+        return call(**arrays)
 
     def _project(self, x):
         """``x [..., D] -> [..., H, 3d]`` (q, k, v concatenated, before the conv)."""
@@ -114,15 +168,22 @@ class RecurrentMixer(nnx.Module):
     def __call__(self, x, segment_ids=None):
         """``x: [B,T,D] -> [B,T,D]``; ``segment_ids: [B,T]`` int for packed documents."""
         qkv = self._project(x)
-        q, k, v = self._split(qkv if self.conv is None else self.conv(qkv, segment_ids))
-        o = self.op(self.features(x, q, k, v), self.cfg.seq_axis, segment_ids)
+        q, k, v = jnp.split(qkv if self.conv is None else self.conv(qkv, segment_ids), 3, -1)
+        o, _ = self.op(self.features(x, q, k, v), self.cfg.impl, self.cfg.seq_axis, segment_ids)
         return self.output(self.readout(o, v), x)
 
     def init_cache(self, batch, max_len, dtype):
-        del max_len  # O(1) (or O(log T) level) state whatever the length
+        """``{"conv": the last K-1 conv inputs, "state": spec.init_state}`` (O(1), or O(log T)
+        levels, whatever the length)."""
+        cfg = self.cfg
+        if self.lam is not None:
+            level_count_ok(cfg, max_len)
         conv = (None if self.conv is None else
-                self.conv.init_state(batch, self.cfg.n_heads, 3 * self.cfg.head_dim, dtype))
-        return {"conv": conv, "state": self.op_init(batch)}
+                self.conv.init_state(batch, cfg.n_heads, 3 * cfg.head_dim, dtype))
+        state = self.spec.init_state(batch, cfg.n_heads, cfg.head_dim, cfg.head_dim,
+                                     normalize=self.normalize,
+                                     levels=cfg.num_levels if self.lam is not None else None)
+        return {"conv": conv, "state": state}
 
     def prefill(self, x, cache, segment_ids=None):
         """Outputs over the prompt ``x: [B,T,D]`` (from position 0, empty ``cache``) and the
@@ -133,10 +194,10 @@ class RecurrentMixer(nnx.Module):
         if self.conv is not None:
             conv = self.conv.prefill_state(qkv, segment_ids).astype(cache["conv"].dtype)
             qkv = self.conv(qkv, segment_ids)
-        q, k, v = self._split(qkv)
-        f = self.features(x, q, k, v)
-        o, state = self.op(f, "", segment_ids, return_final_state=True,
-                           impl=prefill_impl(self.cfg.impl))
+        q, k, v = jnp.split(qkv, 3, -1)
+        impl = self.cfg.impl if self.cfg.impl in self.spec.state_impls else "auto"
+        o, state = self.op(self.features(x, q, k, v), impl, "", segment_ids,
+                           return_final_state=True)
         return self.output(self.readout(o, v), x), {"conv": conv, "state": state}
 
     def step(self, x_t, cache, pos):
@@ -147,28 +208,11 @@ class RecurrentMixer(nnx.Module):
         conv = cache["conv"]
         if self.conv is not None:
             qkv, conv = self.conv.step(conv, qkv)
-        q, k, v = self._split(qkv)
-        o, state = self.op_step(cache["state"], self.features(x_t, q, k, v))
+        q, k, v = jnp.split(qkv, 3, -1)
+        f = self.features(x_t, q, k, v)
+        o, state = self.spec.step(cache["state"], f["q"], f["k"], f["v"], f["g"], f["beta"],
+                                  f["lam"], normalize=self.normalize)
         return self.output(self.readout(o, v), x_t), {"conv": conv, "state": state}
-
-
-def apply_op(entry, f: dict, cfg, seq_axis: str = "", segment_ids=None, **kw):
-    """``entry(**f, segment_ids=segment_ids, impl=cfg.impl, chunk_size=cfg.chunk_size, **kw)``
-    (``segment_ids`` only when given; ``kw`` may override ``impl``); with ``seq_axis`` through
-    ``ops.sequence.over_time`` (the time axis of every array, ``segment_ids`` included, sharded
-    over that mesh axis, mesh from ``jax.set_mesh``; the other mesh axes stay automatic)."""
-    if segment_ids is not None:
-        f = f | {"segment_ids": segment_ids}
-    kw = {"impl": cfg.impl, "chunk_size": cfg.chunk_size} | kw
-    if seq_axis:
-        return sequence.over_time(entry, seq_axis, **kw)(**f)
-    return entry(**f, **kw)
-
-
-def prefill_impl(impl: str) -> str:
-    """The impl a prefill runs: ``impl`` when it returns final states (recurrent, chunked,
-    pallas, auto), "auto" for the stateless reference and scan forms."""
-    return impl if impl in ("recurrent", "chunked", "pallas", "auto") else "auto"
 
 
 def level_count_ok(cfg, T: int) -> None:

@@ -1,6 +1,6 @@
 """docs/math.md#chains: the masked HLA operators are chains of first-order scalar-gated linear attention
 
-    LA(q, k, v; g)_t = Σ_{s≤t} D(t,s) (q_t·k_s) v_s          (Mamba-2's SSD core, ``ops.linear``)
+    LA(q, k, v; g)_t = Σ_{s≤t} D(t,s) (q_t·k_s) v_s          (Mamba-2's SSD core, ``ops.families.linear``)
 
     hla2(q,k,v,g) = LA(q, K̃, v; 2g)          K̃ = LA(q, k, k; g)                 (K̃_j = S_j q_j)
     ahla(q,k,v,g) = LA(q, k, Ṽ; g)           Ṽ = LA(q, k, v; g)                 (W_g (W_g V))
@@ -11,9 +11,8 @@ factor ``D(t,i)`` reaching past the middle index ``j`` splits there.  hla2:
 ``D(t,j)² D(j,i) = D(t,i) D(t,j)`` (outer gate 2g, ``D(t,j)²`` is the decay of ``2g``); ahla:
 ``D(t,i) D(i,j) = D(t,j)``; hla3: ``D(t,u)² D(u,i) D(u,j) = D(t,i) D(t,u) D(u,j)``.  With
 ``g = None`` (no decay) 2g is ``None`` too.  A reset ``g_r = −∞`` (a packed document's first
-token, docs/math.md#packed-documents) zeroes every ``D(t,s)`` with ``s < r ≤ t`` in both passes (``2g_r =
-−∞``), so
-the chains reset exactly where the operator does.
+token, docs/math.md#packed-documents) zeroes every ``D(t,s)`` with ``s < r ≤ t`` in both
+passes (``2g_r = −∞``), so the chains reset exactly where the operator does.
 
 Ratio normalisation: the operators are linear in the innermost values, and the denominator is
 the same chain with those values replaced by 1, so a ones column is appended to them (hla2's
@@ -45,9 +44,9 @@ import jax.numpy as jnp
 from hla_jax.core.documents import gate_or_zeros
 from hla_jax.core.state import state_dtype
 from hla_jax.kernels import la_kernel
-from hla_jax.ops import la_chunked
 from hla_jax.ops.common import with_ones_column
-from hla_jax.ops.hla_forms import finish
+from hla_jax.ops.xla import la_chunked
+from hla_jax.ops.xla.hla_forms import finish
 
 
 def _twice(g):

@@ -173,15 +173,39 @@ def supports(q, k, v, chunk_size: int) -> bool:
 
 def gated_deltanet_pallas(q, k, v, g, beta, *, initial_state=None, return_final_state=False,
                           chunk_size=64, pieces=None, backend=None, interpret=None):
-    """Gated DeltaNet via the chunk kernels (module docstring) -> ``o [B,T,H,dv]`` float32, or
-    ``(o, final_state [B,H,d,dv] float32)`` when ``return_final_state``.
+    """Gated DeltaNet via the chunk kernels (module docstring).
 
-    ``g``: log-decay ``[B,T,H]`` (or ``[H]``); ``beta [B,T,H]``; ``initial_state [B,H,d,dv]`` or
-    None (zeros); ``pieces``: each sequence's walks cut into this many pieces (GPU only; ``T`` is
-    zero-padded to a multiple of ``64·pieces``), or None for ``default_pieces``' choice (1 unless
-    a few long rows leave most SMs idle; 1 on a TPU); ``backend``: "mosaic_gpu" | "tpu" | None (the
-    default device's: "tpu" on a TPU, else "mosaic_gpu"); ``interpret=None`` runs compiled on a
-    GPU/TPU and in the interpreter on CPU.
+    Args:
+        q: queries ``[B,T,H,d]``.
+        k: keys ``[B,T,H,d]``, unit norm.
+        v: values ``[B,T,H,dv]``.
+        g: log-decay ``[B,T,H]`` or ``[H]`` (``<= 0``).
+        beta: write strengths ``[B,T,H]``.
+        initial_state: ``[B,H,d,dv]`` to continue, or None (zeros).
+        return_final_state: also return the state after the row.
+        chunk_size: 64.
+        pieces: each sequence's walks cut into this many pieces (GPU only; ``T`` is zero-padded
+            to a multiple of ``64·pieces``), or None for ``default_pieces``' choice (1 unless a
+            few long rows leave most SMs idle; 1 on a TPU).
+        backend: "mosaic_gpu" | "tpu" | None (the default device's: "tpu" on a TPU, else
+            "mosaic_gpu").
+        interpret: None runs compiled on a GPU/TPU and in the interpreter on CPU.
+
+    Returns:
+        ``o [B,T,H,dv]`` float32, or ``(o, final_state [B,H,d,dv] float32)`` with
+        ``return_final_state``.
+
+    Raises:
+        ValueError: naming the argument (shapes, dtypes, ``g``, ``beta``, ``pieces``, and what
+            each backend takes).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from hla_jax.kernels import gated_deltanet_pallas
+        >>> q = k = v = jnp.full((1, 64, 1, 64), 0.125, jnp.bfloat16)
+        >>> g, beta = -0.1 * jnp.ones((1, 64, 1)), 0.5 * jnp.ones((1, 64, 1))
+        >>> gated_deltanet_pallas(q, k, v, g, beta).shape
+        (1, 64, 1, 64)
     """
     name = "gated_deltanet_pallas"
     B, T, H, d, dv = check_qkv(q, k, v, name=name)

@@ -45,12 +45,34 @@ WALK_TUNING = dict(block_v=64, block_v_bwd=128, parallel_forward=True)
 
 def la_pallas(q, k, v, g=None, *, initial_state=None, return_final_state=False, chunk_size=64,
               backend=None, interpret=None):
-    """LA via Pallas (see the module docstring) -> ``o [B,T,H,dv]`` float32, or
-    ``(o, final_state [B,H,d,dv] float32)`` when ``return_final_state``.
+    """First-order gated linear attention via Pallas (see the module docstring).
 
-    ``chunk_size``: a power of two >= 16 (64 for Mosaic GPU); ``backend``: None (the default of
-    the platform, module docstring) | "mosaic_gpu" | "triton" | "tpu"; ``interpret=None`` runs
-    compiled on GPU/TPU and in interpret mode on CPU.
+    Args:
+        q: queries ``[B,T,H,d]``.
+        k: keys ``[B,T,H,d]``.
+        v: values ``[B,T,H,dv]``.
+        g: log-decay ``[B,T,H]`` or ``[H]`` (``<= 0``), or None (no decay).
+        initial_state: ``H0 [B,H,d,dv]`` to continue, or None (zeros).
+        return_final_state: also return the state after the row.
+        chunk_size: a power of two >= 16 (64 for Mosaic GPU).
+        backend: None (the platform's default, module docstring) | "mosaic_gpu" | "triton" |
+            "tpu".
+        interpret: None runs compiled on GPU/TPU and in interpret mode on CPU.
+
+    Returns:
+        ``o [B,T,H,dv]`` float32, or ``(o, final_state [B,H,d,dv] float32)`` with
+        ``return_final_state``.
+
+    Raises:
+        ValueError: naming the argument (shapes, dtypes, the sign of ``g``, ``chunk_size``,
+            ``backend`` and what Mosaic GPU takes).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from hla_jax.kernels import la_pallas
+        >>> q = k = v = jnp.ones((1, 32, 1, 16))
+        >>> la_pallas(q, k, v, -0.1 * jnp.ones((1, 32, 1)), chunk_size=16).shape
+        (1, 32, 1, 16)
     """
     name = "la_pallas"
     B, T, H, d, dv = check_qkv(q, k, v, name=name)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.kernels.la import la_tpu, la_triton
-from hla_jax.kernels.wrap import backend_choice, chunk_gate, launch, pad, pow2_at_least
+from hla_jax.kernels.wrap import chunk_gate, launch, pad, pow2_at_least
 
 CHECKPOINT_EVERY = 1024  # chunks per backward segment (65536 tokens at c = 64; shorter: one segment)
 BACKENDS = {"triton": la_triton, "tpu": la_tpu}
@@ -125,16 +125,15 @@ class Prepared(NamedTuple):
     cfg: Config
 
 
-def prepare(q, k, v, g, *, chunk_size=64, interpret=None, block_v=64, block_v_bwd=None,
-            backend=None, parallel_forward=False, checkpoint_every=CHECKPOINT_EVERY) -> Prepared:
+def prepare(q, k, v, g, *, backend, chunk_size=64, interpret=None, block_v=64, block_v_bwd=None,
+            parallel_forward=False, checkpoint_every=CHECKPOINT_EVERY) -> Prepared:
     """``core``'s ``Prepared`` inputs from checked ``q, k, v`` and gate ``g`` (``[B,T,H]`` or
     None): chunk and value tiles as in ``launch`` (``block_v_bwd=None``: ``block_v``; neither
-    wider than ``dv`` padded to a power of two), ``backend`` "triton" | "tpu" | None (the default
-    device's), the other ``Config`` settings as named there."""
+    wider than ``dv`` padded to a power of two), ``backend`` "triton" | "tpu" (the entry's
+    choice, ``la_entry.la_kernel``), the other ``Config`` settings as named there."""
     name = "la_pallas"
     B, _, H, _ = q.shape
     dv = v.shape[-1]
-    backend = backend_choice(name, backend, tuple(BACKENDS), "triton")
     c, Tp, dp, dt, interpret, backend, bv, bvb = launch(
         name, q, k, v, chunk_size=chunk_size, block_v=block_v, interpret=interpret,
         backend=backend, block_v_bwd=block_v_bwd)

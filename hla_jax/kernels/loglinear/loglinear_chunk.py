@@ -1,4 +1,4 @@
-"""One chunk of log-linear Mamba-2 (docs/math.md#loglinear) in the block form (``ops.loglinear_blocks``),
+"""One chunk of log-linear Mamba-2 (docs/math.md#loglinear) in the block form (``ops.xla.loglinear_blocks``),
 forward and backward: small 2-D matmuls shared by the NVIDIA (Triton) and TPU (Mosaic) kernels.
 
 One chunk ``n`` of ``c = 2^lc`` tokens, local positions τ, σ; ``bb`` the local cumulative

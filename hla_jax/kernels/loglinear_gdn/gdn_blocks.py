@@ -1,4 +1,4 @@
-"""The kernel parts of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``):
+"""The kernel parts of log-linear Gated DeltaNet's block form (``ops.xla.loglinear_gdn_blocks``):
 its per-chunk terms (``chunk_terms``) from the first-order kernel's UT transform and its backward
 (``gdn/gdn_ut_mgpu.py``, Mosaic GPU) and one Triton program per chunk for the rest
 (``gdn_terms_triton.py``) instead of XLA's batched triangular solve and einsums
@@ -157,7 +157,7 @@ _output.defvjp(_output_fwd, _output_bwd)
 
 
 def output(m, v, qh, pi, z, lam, lc: int, interpret=None):
-    """The output of ``ops.loglinear_gdn_blocks``: the window ``(Λ ∘ M) V`` inside each chunk and
+    """The output of ``ops.xla.loglinear_gdn_blocks``: the window ``(Λ ∘ M) V`` inside each chunk and
     the chunk levels, the up-sweep of the chunks' ``(Π, Z)`` (one Triton program per pair and
     level, forward and backward), then the reads ``Σ_i λ_{lc+1+i} ∘ (r_i Z_i)``,
     ``r_{i+1} = r_i Π_i`` over the levels ``i`` at which a token's chunk lies in a right half (one

@@ -1,4 +1,4 @@
-"""The output of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``) for NVIDIA
+"""The output of log-linear Gated DeltaNet's block form (``ops.xla.loglinear_gdn_blocks``) for NVIDIA
 GPUs, the window inside each chunk and the reads of the chunk levels, forward, and the reads'
 backward: ``pallas_call`` lowered through Triton.
 

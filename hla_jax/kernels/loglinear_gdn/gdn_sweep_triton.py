@@ -1,4 +1,4 @@
-"""One level of the up-sweep of log-linear Gated DeltaNet's block form (``ops.loglinear_gdn_blocks``)
+"""One level of the up-sweep of log-linear Gated DeltaNet's block form (``ops.xla.loglinear_gdn_blocks``)
 for NVIDIA GPUs: ``pallas_call`` lowered through Triton, one program per (batch, head, pair).
 
 Node pairs ``L = 2m``, ``R = 2m + 1`` of ``(Π [B,H,n,d,d], Z [B,H,n,d,dv])`` combine, ``L``

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.core import fenwick
-from hla_jax.core.checks import check_gate, check_lam, check_per_token, check_qkv, check_segment_ids
-from hla_jax.kernels.loglinear.loglinear_entry import Config, levels_first, packed
+from hla_jax.core.checks import check_gate, check_lam, check_per_token, check_qkv
+from hla_jax.kernels.loglinear.loglinear_entry import Config, levels_first
 from hla_jax.kernels.loglinear_gdn import loglinear_gdn_tpu, loglinear_gdn_triton
 from hla_jax.kernels.wrap import backend_choice, chunk_gate, launch, pad, pow2_at_least
 
@@ -112,48 +112,62 @@ def _core_bwd(cfg, res, do):
 loglinear_gdn_core.defvjp(_core_fwd, _core_bwd)
 
 
-def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, segment_ids=None, chunk_size=64,
-                                    interpret=None, block_v=64, block_v_bwd=64, num_warps=8,
-                                    backend=None):
-    """Log-linear Gated DeltaNet via Pallas (see the module docstring), ``[B,T,H,dv]`` float32.
+def loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, *, chunk_size=64, interpret=None,
+                                    block_v=64, block_v_bwd=64, num_warps=8, backend=None):
+    """Log-linear Gated DeltaNet via Pallas (see the module docstring) on whole rows, positions
+    from 0: packed documents and continued states are compositions in ``ops.levels``
+    (``ops.loglinear_gated_deltanet(impl="pallas", segment_ids=…)``).
 
-    ``segment_ids [B,T]`` int: packed documents (docs/math.md#packed-documents), each computed as if
-    alone, on the
-    aligned layout of log-linear Mamba-2's kernels (``loglinear_entry.packed``: a buffer of
-    ``2T`` tokens, up to twice the work; the reset at each start clears every level state).
+    Args:
+        q: queries ``[B,T,H,d]``.
+        k: keys ``[B,T,H,d]``, unit norm.
+        v: values ``[B,T,H,dv]``.
+        g: log-decay ``[B,T,H]`` or ``[H]`` (``<= 0``).
+        beta: write strengths ``[B,T,H]``.
+        lam: level weights ``[B,T,H,L]``, ``L ≥ ⌈log2 T⌉+1``.
+        chunk_size: a power of two >= 16.
+        interpret: None runs compiled on GPU/TPU and in interpret mode on CPU.
+        block_v: caps the walks' value tile (a power of two >= 16; ``value_tile`` shrinks it so
+            the level states of one program fit ``STACK_BYTES``).
+        block_v_bwd: the value tile of the chunk-parallel walk gradients.
+        num_warps: Triton's warps per program.
+        backend: "triton" | "tpu" | None (the default device's: "tpu" on a TPU, else "triton").
 
-    ``block_v`` caps the value tile of the walks (a power of two >= 16;
-    ``value_tile`` shrinks it so the S level states of one program fit
-    ``STACK_BYTES``), ``block_v_bwd`` is that of the chunk-parallel walk gradients and
-    ``num_warps`` (Triton) tune the kernels; ``backend``: "triton" | "tpu" | None (the default
-    device's: "tpu" on a TPU, else "triton").
+    Returns:
+        ``o [B,T,H,dv]`` float32.
+
+    Raises:
+        ValueError: naming the argument (shapes, dtypes, ``g``, ``beta``, too few levels,
+            tiles).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from hla_jax.kernels import loglinear_gated_deltanet_pallas
+        >>> q = k = v = jnp.full((1, 32, 1, 16), 0.25)
+        >>> g, beta = -0.1 * jnp.ones((1, 32, 1)), 0.5 * jnp.ones((1, 32, 1))
+        >>> lam = jnp.ones((1, 32, 1, 6))
+        >>> loglinear_gated_deltanet_pallas(q, k, v, g, beta, lam, chunk_size=16).shape
+        (1, 32, 1, 16)
     """
     name = "loglinear_gated_deltanet_pallas"
     B, T, H, d, dv = check_qkv(q, k, v, name=name)
     g = check_gate(g, B, T, H, name=name, required=True)
     beta = check_per_token(beta, B, T, H, "beta", name=name)
     lam = check_lam(lam, B, T, H, name=name)
-    segment_ids = check_segment_ids(segment_ids, B, T, name=name)
-    return loglinear_gated_deltanet_kernel(q, k, v, g, beta, lam, segment_ids=segment_ids,
-                                           chunk_size=chunk_size, interpret=interpret,
+    return loglinear_gated_deltanet_kernel(q, k, v, g, beta, lam, chunk_size=chunk_size,
+                                           interpret=interpret,
                                            block_v=block_v, block_v_bwd=block_v_bwd,
                                            num_warps=num_warps, backend=backend)
 
 
-def loglinear_gated_deltanet_kernel(q, k, v, g, beta, lam, *, segment_ids=None, chunk_size=64,
-                                    interpret=None, block_v=64, block_v_bwd=64, num_warps=8,
-                                    backend=None):
+def loglinear_gated_deltanet_kernel(q, k, v, g, beta, lam, *, chunk_size=64, interpret=None,
+                                    block_v=64, block_v_bwd=64, num_warps=8, backend=None):
     """``loglinear_gated_deltanet_pallas`` on inputs it has checked (``g`` and per-token inputs
     ``[B,T,H]``): the ops' entry, which checks them itself."""
     name = "loglinear_gated_deltanet_pallas"
     B, T, H, d = q.shape
     dv = v.shape[-1]
     backend = backend_choice(name, backend, tuple(BACKENDS), "triton")
-    if segment_ids is not None:
-        return packed(loglinear_gated_deltanet_kernel, q, k, v, jnp.broadcast_to(g, (B, T, H)),
-                      (beta,), lam, segment_ids, chunk_size=chunk_size, interpret=interpret,
-                      block_v=block_v, block_v_bwd=block_v_bwd, num_warps=num_warps,
-                      backend=backend)
     c, Tp, dp, dt, interpret, backend, block_v, block_v_bwd = launch(
         name, q, k, v, chunk_size=chunk_size, block_v=block_v, interpret=interpret,
         backend=backend, block_v_bwd=block_v_bwd)

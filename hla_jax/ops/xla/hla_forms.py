@@ -1,4 +1,5 @@
-"""The recurrent and scan drivers shared by the HLA families (their forms in ``ops.dispatch``).
+"""The forms shared by the HLA families: the recurrent and scan drivers, and ``spec``, which makes
+a family's ``ops.spec.Spec`` (its forms, its ``auto`` rule, its state) from its ``Family``.
 
 A family (``hla2``, ``ahla``, ``hla3`` causal and paper) supplies its mathematics as a ``Family``:
 ``init_state``, ``step``, ``token_summaries``, ``combine``, ``readout``, the quadratic
@@ -28,8 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.core.checks import check_qkv
+from hla_jax.core.documents import doc_starts
 from hla_jax.core.state import state_dtype
 from hla_jax.ops.common import cast_inputs, ratio_last_column, scan_time
+from hla_jax.ops.spec import Spec, kernels_preferred, reset
 
 
 class Family(NamedTuple):
@@ -121,3 +124,68 @@ def scan(family: Family, q, k, v, g=None, starts=None, *, normalize=False, eps=1
         flags = jnp.broadcast_to(starts[..., None], q.shape[:3]).astype(q.dtype)
         prefix = jax.lax.associative_scan(_segmented(family.combine), (flags, summaries), axis=1)[1]
     return family.readout(prefix, q, normalize=normalize, eps=eps)
+
+
+def forms(family: Family) -> dict:
+    """A family's forms (``ops.spec``: ``form(c) -> (o, state or None)``); the paper mask
+    (``decayed=False``) takes the document starts."""
+
+    def docs(c):
+        if family.decayed:
+            return reset(c), None
+        return c.g, None if c.segment_ids is None else doc_starts(c.segment_ids, c.seq_axis)
+
+    def by_doc(starts):
+        return {} if family.decayed else {"starts": starts}
+
+    kw = lambda c: dict(normalize=c.normalize, eps=c.eps)  # noqa: E731
+
+    def reference_form(c):
+        g, starts = docs(c)
+        return family.reference(c.q, c.k, c.v, g, **kw(c), **by_doc(starts)), None
+
+    def recurrent_form(c):
+        g, starts = docs(c)
+        return recurrent(family, c.q, c.k, c.v, g, starts, c.initial_state, **kw(c))
+
+    def scan_form(c):
+        g, starts = docs(c)
+        return scan(family, c.q, c.k, c.v, g, starts, **kw(c)), None
+
+    def chunked_form(c):
+        g, starts = docs(c)
+        return family.chunked(c.q, c.k, c.v, g, **kw(c), chunk_size=c.chunk_size,
+                              seq_axis=c.seq_axis, initial_state=c.initial_state,
+                              **by_doc(starts))
+
+    def pallas_form(c):
+        return family.pallas(c.q, c.k, c.v, reset(c), **kw(c), chunk_size=c.chunk_size,
+                             initial_state=c.initial_state,
+                             return_final_state=c.return_final_state)
+
+    out = {"reference": reference_form, "recurrent": recurrent_form, "scan": scan_form,
+           "chunked": chunked_form}
+    return out if family.pallas is None else {**out, "pallas": pallas_form}
+
+
+def auto(c) -> str:
+    """An HLA operator's ``impl="auto"``: its Pallas chain where the kernels are preferred
+    (``spec.kernels_preferred``) and it has one, else the chunked chain."""
+    return "pallas" if kernels_preferred(c) and "pallas" in c.spec.forms else "chunked"
+
+
+def spec(family: Family, **kw) -> Spec:
+    """The ``Spec`` of an HLA family: ``g`` optional (``gate="none"`` for an undecayed one),
+    ``normalize``, the forms of ``forms``, the rule of ``auto``, the family's state and step
+    under the spec's signatures, and the "qk" mixer named after it; ``kw`` override."""
+
+    def init_state(B, H, d, dv, *, normalize=False, dtype=jnp.float32, **_):
+        return family.init_state(B, H, d, dv, normalize=normalize, dtype=dtype)
+
+    def step(state, q, k, v, g=None, *_, normalize=False, eps=1e-6, **__):
+        return family.step(state, *_qkvg(q, k, v, g), normalize=normalize, eps=eps)
+
+    return Spec(**{"name": family.name, "forms": forms(family), "auto": auto,
+                   "init_state": init_state, "step": step,
+                   "gate": "optional" if family.decayed else "none", "normalize": True,
+                   "mixer": family.name, "features": "qk", **kw})

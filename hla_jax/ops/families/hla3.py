@@ -17,9 +17,8 @@ Pallas LA kernel; the decode state is the chain's LA states: ``S = Σ D k kᵀ``
 one's (decay ``a²``, ``K̃_t = S_t q_t``, ``Ṽ_t = P_tᵀ q_t``).  The ``paper`` mask does not factor
 so: its chunked form is ``paper_chunk`` scanned over chunks, whose carry is the recurrent
 ``PaperState``.
-Packed documents (``segment_ids``, docs/math.md#packed-documents), every form: causal resets its state
-through the
-gate, ``g = −∞`` at every document start (``ops.dispatch``); ``paper`` has no decay, so its
+Packed documents (``segment_ids``, docs/math.md#packed-documents), every form: causal resets its
+state through the gate, ``g = −∞`` at every document start (``spec.reset``); ``paper`` has no decay, so its
 forms cut at the starts themselves: the reference zeroes the cross-document entries of QKᵀ
 (``paper_reference``), the recurrence restarts from the empty state, the scan's combine is
 segmented, and ``paper_chunk`` masks by document and cuts the carried state (``paper_chunked``,
@@ -38,9 +37,11 @@ import jax
 import jax.numpy as jnp
 
 from hla_jax.core.layout import from_chunks, pad_time, to_chunks
-from hla_jax.ops import chains, hla_forms, reference, sequence
+from hla_jax.ops import chains, dispatch, reference, sequence
 from hla_jax.ops.common import cast_inputs, causal_mask, ein, mm, outer, tr
-from hla_jax.ops.hla_forms import finish
+from hla_jax.ops.spec import Spec
+from hla_jax.ops.xla import hla_forms
+from hla_jax.ops.xla.hla_forms import finish
 
 
 def _vq(q, M):
@@ -353,3 +354,74 @@ CAUSAL = hla_forms.Family("hla3", init_state, step, token_summaries, combine, re
 PAPER = hla_forms.Family("hla3", paper_init_state, paper_step, paper_token_summaries,
                          paper_combine, paper_readout, paper_reference, paper_chunked,
                          decayed=False)
+
+def flops(T, d, c):
+    """Causal chunk form: ``QKᵀ, Q S₀ Qᵀ`` ``4cd``, ``A W_gᵀ, W_g A_Lᵀ`` ``4c²``, ``W_g V`` and
+    four ``(c×c)(c×d)`` products ``10cd``; ``Q S₀, Q P₀, Q F₀`` ``6d²``; summaries
+    ``S, P, Q2, X, Y, F`` ``12d²``; combine (five ``d×d·d×d`` products) ``10d³/c``."""
+    return 14 * c * d + 4 * c * c + 18 * d * d + 10 * d ** 3 / c
+
+
+MASKS = ("causal", "paper")
+
+
+def _mask(mask="causal") -> Spec:
+    """The spec of ``mask``: "causal" (``SPEC``) or "paper" (``PAPER_SPEC``, no decay, no
+    kernel)."""
+    if mask not in MASKS:
+        raise ValueError(f"hla3: mask={mask!r} is not one of {MASKS}")
+    return SPEC if mask == "causal" else PAPER_SPEC
+
+
+SPEC = hla_forms.spec(CAUSAL, flops=flops, variant=_mask)
+PAPER_SPEC = hla_forms.spec(PAPER, label="hla3 (mask='paper')", mixer="")
+SPECS = (SPEC,)
+
+
+def hla3(q, k, v, g=None, *, mask="causal", normalize=False, eps=1e-6, impl="auto",
+         chunk_size=64, seq_axis=None, segment_ids=None, initial_state=None,
+         return_final_state=False):
+    """Third-order HLA (docs/math.md#hla3) with ``mask`` "causal" (the default),
+    ``o_t = Σ_{u≤t} Σ_{i,j≤u} D(t,i) D(t,u) D(u,j) (q_t·k_i)(q_u·k_i)(q_u·k_j) v_j``, or
+    "paper" (the HLA paper's streaming algebra, no decay).
+
+    Causal: "chunked" and "pallas" are the chain ``LA(q, K̃, Ṽ; 2g)``,
+    ``[K̃ | Ṽ] = LA(q, k, [k | v]; g)`` (docs/math.md#chains).  Paper: "chunked" is
+    ``paper_chunked``; there is no "pallas".
+
+    Args:
+        q: queries ``[B,T,H,d]``.
+        k: keys ``[B,T,H,d]``.
+        v: values ``[B,T,H,dv]``.
+        g: log-decay ``[B,T,H]`` or ``[H]`` (``<= 0``), or None (no decay; must be None with
+            ``mask="paper"``).
+        mask: "causal" | "paper".
+        normalize: divide by ``clamp_signed(den, eps)``, ``den`` the same sum with ``v``
+            replaced by 1.
+        eps: the clamp of the denominator, ``> 0``.
+        impl: "reference" | "recurrent" | "scan" | "chunked" | "pallas" (causal) | "auto".
+        chunk_size: tokens per chunk of the chunked and Pallas forms.
+        seq_axis: the mesh axis time is sharded over (chunked, auto), or None.
+        segment_ids: ``[B,T]`` int, packed documents (each computed as if alone), or None.
+        initial_state: a ``hla3.State(S, P, F)`` (``hla3.PaperState`` for "paper") to continue,
+            or None.
+        return_final_state: also return the state after the row.
+
+    Returns:
+        ``o [B,T,H,dv]`` in the state dtype, or ``(o, state)`` with ``return_final_state``.
+
+    Raises:
+        ValueError: naming the argument: an unknown ``mask``, a gate with "paper", "pallas"
+            with "paper", and every check of ``hla2``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from hla_jax import ops
+        >>> q = k = v = jnp.ones((1, 8, 2, 4)) / 2
+        >>> ops.hla3(q, k, v, mask="paper", impl="chunked", chunk_size=4).shape
+        (1, 8, 2, 4)
+    """
+    return dispatch.run(SPEC, q, k, v, g, impl=impl, chunk_size=chunk_size, seq_axis=seq_axis,
+                        segment_ids=segment_ids, initial_state=initial_state,
+                        return_final_state=return_final_state, normalize=normalize, eps=eps,
+                        mask=mask)

@@ -1,4 +1,4 @@
-"""The state-space algebra of the first-order SSM core (``ops.loglinear``): a token's transition
+"""The state-space algebra of the first-order SSM core (``ops.families.loglinear``): a token's transition
 ``A_t`` (``a_t`` for Mamba-2, ``a_t (I − β_t k_t k_tᵀ)`` for Gated DeltaNet) and write
 ``X_t = k_t β_t v_tᵀ``, their associative ``combine``, the readout, and the decode state and step
 (plain ``[B,H,d,dv]``; log-linear ``core.state.LevelState``), shared by the recurrent, scan and chunked

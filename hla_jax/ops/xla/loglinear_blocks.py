@@ -20,7 +20,7 @@ The halves and the per-token weights ``D(m, s)``, ``λ_t^{lc+1+j} D(t, m)`` are
 
 16-bit inputs run the matmuls on 16-bit operands with float32 accumulation, forward and backward
 (``dot16``: the cotangent is rounded to the operands' dtype, as the kernels do); the states,
-decays and outputs are float32.  Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks.
+decays and outputs are float32.  Shapes as in ``ops.families.loglinear``; ``T`` is zero-padded to chunks.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from hla_jax.core.block_levels import halves, token_weights
 from hla_jax.core.layout import heads_first
 from hla_jax.core.state import state_dtype
 from hla_jax.ops import common
-from hla_jax.ops.la_chunked import decays
+from hla_jax.ops.xla.la_chunked import decays
 
 F32 = jnp.float32
 

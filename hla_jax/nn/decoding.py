@@ -5,9 +5,9 @@ layer's final decode state together (the ops' ``return_final_state``; no serial 
 prompt).  Prompts of different lengths (``prompt_lengths``) are left-aligned to end together,
 the padding in front of each is its own document (``segment_ids``), so every state, KV-cache
 window and conv window holds only the prompt and each row continues exactly as it would alone.
-The decode state is a KV cache
-preallocated to ``prompt + max_new_tokens`` for softmax, an O(1) recurrent state (and the
-short-convolution window) for linear/HLA/SSM mixers, O(log T) level states for log-linear mixers.
+The decode state is a KV cache preallocated to ``prompt + max_new_tokens`` for softmax, an O(1)
+recurrent state (and the short-convolution window) for linear/HLA/SSM mixers, O(log T) level
+states for log-linear mixers.
 ``generate`` produces the new tokens by a ``jax.lax.fori_loop`` of one-token steps inside one
 jitted function; ``generate_stream`` runs the same steps one jitted call at a time from the host
 and yields each token as it comes (same tokens for the same arguments).

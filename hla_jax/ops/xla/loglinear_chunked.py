@@ -2,8 +2,8 @@
 inside chunks of ``c`` tokens and a binary counter of chunk-level states across them, on the grid
 of positions or, for packed documents and states at any position, over document-relative blocks.
 The form for packed documents, states and sequence parallelism (whole rows take the block forms,
-``ops.loglinear_blocks`` and ``ops.loglinear_gdn_blocks``).  ``chunked`` is the entry; shapes as
-in ``ops.loglinear``.
+``ops.xla.loglinear_blocks`` and ``ops.xla.loglinear_gdn_blocks``).  ``chunked`` is the entry; shapes as
+in ``ops.families.loglinear``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from hla_jax.core.documents import doc_positions, doc_starts
 from hla_jax.core.layout import from_chunks, to_chunks
 from hla_jax.core.state import LevelState, state_dtype
 from hla_jax.ops import common, sequence
-from hla_jax.ops.gdn_chunked import ut_matrix
-from hla_jax.ops.la_chunked import decays
-from hla_jax.ops.ssm import cast, combine, mul, reset
+from hla_jax.ops.xla.gdn_chunked import ut_matrix
+from hla_jax.ops.xla.la_chunked import decays
+from hla_jax.ops.xla.ssm import cast, combine, mul, reset
 
 
 def chunk_terms(Q, K, V, G, Beta):

@@ -13,7 +13,7 @@ Chunk n of ``c`` tokens (``Q, K: [c,d]``, ``V: [c,dv]``, log-decays ``G: [c]``) 
 token) stays finite: the decays are formed in log space from the finite gates, and a reset
 zeroes every decay across it (``decays``).
 
-Layout: chunks are ``[N,B·H,c,…]`` (``to_chunks``): the chunk index first, as the scan takes it,
+Layout: chunks are ``[N,B·H,c,…]`` (``core.layout.scan_chunks``): the chunk index first, as the scan takes it,
 and batch and heads merged into one batch axis of the matmuls.
 """
 
@@ -22,26 +22,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hla_jax.core.layout import from_scan_chunks, scan_chunks
 from hla_jax.core.state import state_dtype
 from hla_jax.ops import common, sequence
-from hla_jax.ops.ssm import combine, mul
-
-
-def to_chunks(x, c: int):
-    """``[B,T,H,...] -> [N,B·H,c,...]``, ``N = ⌈T/c⌉``; the tail is zero-padded (a zero token
-    writes nothing and decays nothing)."""
-    B, T, H = x.shape[:3]
-    N = -(-T // c)
-    x = jnp.pad(x, [(0, 0), (0, N * c - T)] + [(0, 0)] * (x.ndim - 2))
-    x = jnp.moveaxis(x.reshape(B, N, c, H, *x.shape[3:]), (1, 2), (0, 3))
-    return x.reshape(N, B * H, c, *x.shape[4:])
-
-
-def from_chunks(x, T: int, B: int):
-    """``[N,B·H,c,...] -> [B,T,H,...]``, dropping the padding."""
-    N, BH, c = x.shape[:3]
-    x = jnp.moveaxis(x.reshape(N, B, BH // B, c, *x.shape[3:]), (0, 3), (1, 2))
-    return x.reshape(B, N * c, BH // B, *x.shape[4:])[:, :T]
+from hla_jax.ops.xla.ssm import combine, mul
 
 
 def inclusive_sum(x):
@@ -105,7 +89,7 @@ def chunked(q, k, v, g, chunk_size=64, seq_axis=None, initial_state=None):
     q, k, v, g = (x.astype(dt) for x in (q, k, v, g))
     B, T, H, d = q.shape
     dv = v.shape[-1]
-    Q, K, V, G = (to_chunks(x, chunk_size) for x in (q, k, v, g))
+    Q, K, V, G = (scan_chunks(x, chunk_size) for x in (q, k, v, g))
     Gam, gamma = decays(G)
     a = gamma[..., -1]
     S = common.ein("...cd,...cv->...dv", Gam[..., -1, :, None] * K, V)
@@ -116,4 +100,4 @@ def chunked(q, k, v, g, chunk_size=64, seq_axis=None, initial_state=None):
     prev, final = states(a, S, jnp.zeros((B * H, d, dv), dt) if h0 is None else h0)
     o = (common.ein("...ts,...sv->...tv", common.ein("...td,...sd->...ts", Q, K) * Gam, V)
          + common.ein("...td,...dv->...tv", gamma[..., None] * Q, prev))
-    return from_chunks(o, T, B), final.reshape(B, H, d, dv)
+    return from_scan_chunks(o, T, B), final.reshape(B, H, d, dv)

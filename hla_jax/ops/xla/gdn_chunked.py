@@ -17,7 +17,7 @@ over all chunks (``ut_transform``), one ``lax.scan`` carries ``V'`` and the stat
 (``states``), and the outputs are batched products again.  The inverse and the scan have their
 own cotangents (two products for the inverse; a reverse scan that carries only ``∂H``), the
 rest is differentiated by JAX.  Resets ``g = −∞`` stay finite as in ``la_chunked``.  Layout
-``[N,B·H,c,…]`` (``la_chunked.to_chunks``).
+``[N,B·H,c,…]`` (``core.layout.scan_chunks``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hla_jax.core.layout import from_scan_chunks, scan_chunks
 from hla_jax.ops import common, sequence
-from hla_jax.ops.la_chunked import decays, from_chunks, start_state, to_chunks
+from hla_jax.ops.xla.la_chunked import decays, start_state
 
 
 @jax.custom_vjp
@@ -136,7 +137,7 @@ def chunked(q, k, v, g, beta, chunk_size=64, seq_axis=None, initial_state=None):
     q, k, v, g, beta = (x.astype(dt) for x in (q, k, v, g, beta))
     B, T, H, d = q.shape
     dv = v.shape[-1]
-    Q, K, V, G, Beta = (to_chunks(x, chunk_size) for x in (q, k, v, g, beta))
+    Q, K, V, G, Beta = (scan_chunks(x, chunk_size) for x in (q, k, v, g, beta))
     Gam, gamma = decays(G)
     W, U = ut_transform(K, V, Beta, Gam, gamma)
     Kt = Gam[..., -1, :, None] * K
@@ -151,4 +152,4 @@ def chunked(q, k, v, g, beta, chunk_size=64, seq_axis=None, initial_state=None):
     prev, Vp, final = states(W, U, Kt, a, jnp.zeros((B * H, d, dv), dt) if h0 is None else h0)
     o = (common.ein("...td,...dv->...tv", gamma[..., None] * Q, prev)
          + common.ein("...ts,...sv->...tv", common.ein("...td,...sd->...ts", Q, K) * Gam, Vp))
-    return from_chunks(o, T, B), final.reshape(B, H, d, dv)
+    return from_scan_chunks(o, T, B), final.reshape(B, H, d, dv)

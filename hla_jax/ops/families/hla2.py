@@ -28,9 +28,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hla_jax.ops import chains, hla_forms, reference
+from hla_jax.ops import chains, dispatch, reference
 from hla_jax.ops.common import cast_inputs, ein, mm, outer
-from hla_jax.ops.hla_forms import finish
+from hla_jax.ops.xla import hla_forms
+from hla_jax.ops.xla.hla_forms import finish
 
 
 class State(NamedTuple):
@@ -102,3 +103,59 @@ def combine(a: Summary, b: Summary) -> Summary:
 FAMILY = hla_forms.Family("hla2", init_state, step, token_summaries, combine, readout,
                           reference.hla2, chains.over_xla(chains.hla2, State),
                           chains.over_pallas(chains.hla2, State))
+
+def flops(T, d, c):
+    """Chunk form: ``QKᵀ, Q S₀ Qᵀ`` ``4cd``, ``W_g Wᵀ`` ``2c²``, two ``(·)V`` ``4cd``;
+    ``Q S₀, Q U₀`` ``4d²``; summaries ``KᵀK, QᵀV`` ``4d²``, own ``G`` ``4cd + 2d²``; combine
+    ``S_B C_A`` ``2d³/c``."""
+    return 12 * c * d + 2 * c * c + 10 * d * d + 2 * d ** 3 / c
+
+
+SPEC = hla_forms.spec(FAMILY, flops=flops)
+SPECS = (SPEC,)
+
+
+def hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, impl="auto", chunk_size=64,
+         seq_axis=None, segment_ids=None, initial_state=None, return_final_state=False):
+    """Second-order masked HLA (docs/math.md#hla2),
+    ``o_t = Σ_{j≤t} Σ_{i≤j} D(t,i) D(t,j) (q_t·k_i)(q_j·k_i) v_j``.
+
+    "chunked" and "pallas" are the chain ``LA(q, K̃, v; 2g)``, ``K̃ = LA(q, k, k; g)``
+    (docs/math.md#chains).
+
+    Args:
+        q: queries ``[B,T,H,d]``.
+        k: keys ``[B,T,H,d]``.
+        v: values ``[B,T,H,dv]``.
+        g: log-decay ``[B,T,H]`` or ``[H]`` (``<= 0``), or None (no decay).
+        normalize: divide by ``clamp_signed(den, eps)``, ``den`` the same sum with ``v``
+            replaced by 1 (one pass over ``[v | 1]``).
+        eps: the clamp of the denominator, ``> 0``.
+        impl: "reference" | "recurrent" | "scan" | "chunked" (the chain over XLA's chunked
+            LA) | "pallas" (the chain over ``kernels.la_pallas``) | "auto".
+        chunk_size: tokens per chunk of the chunked and Pallas forms.
+        seq_axis: the mesh axis time is sharded over, inside ``jax.shard_map``
+            (``ops.sequence``; chunked and auto), or None.
+        segment_ids: ``[B,T]`` int, packed documents (each computed as if alone), or None.
+        initial_state: a ``hla2.State(S, U)`` to continue (recurrent, chunked, pallas, auto), or None.
+        return_final_state: also return the ``hla2.State(S, U)`` after the row.
+
+    Returns:
+        ``o [B,T,H,dv]`` in the state dtype (float32; float64 for float64 inputs), or
+        ``(o, hla2.State(S, U))`` with ``return_final_state``.
+
+    Raises:
+        ValueError: naming the argument, for a wrong shape, rank or dtype, a positive log-decay,
+            ``eps <= 0`` with ``normalize``, an unknown ``impl``, or a state with an impl or
+            ``seq_axis`` that takes none.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from hla_jax import ops
+        >>> q = k = v = jnp.ones((1, 8, 2, 4)) / 2
+        >>> ops.hla2(q, k, v, impl="recurrent").shape
+        (1, 8, 2, 4)
+    """
+    return dispatch.run(SPEC, q, k, v, g, impl=impl, chunk_size=chunk_size, seq_axis=seq_axis,
+                        segment_ids=segment_ids, initial_state=initial_state,
+                        return_final_state=return_final_state, normalize=normalize, eps=eps)

@@ -1,8 +1,7 @@
-"""The block form of log-linear Gated DeltaNet (docs/math.md#loglinear) on the grid of positions: every
-level at
-once, no scan over chunks.
+"""The block form of log-linear Gated DeltaNet (docs/math.md#loglinear) on the grid of positions:
+every level at once, no scan over chunks.
 
-As in log-linear Mamba-2's (``ops.loglinear_blocks``), chunk ``n' < n`` is at level ``lc + 1 + j``
+As in log-linear Mamba-2's (``ops.xla.loglinear_blocks``), chunk ``n' < n`` is at level ``lc + 1 + j``
 (``c = 2^lc``), ``j = bit_length(n XOR n') − 1``: the left half of the aligned block of
 ``2^(j+1)`` chunks writes, the right half reads.  Here the transitions between them are matrices:
 chunk ``n`` maps an entering state ``S`` to ``A_n S + Z_n`` and its tokens read ``S`` as ``Q̂_n S``
@@ -25,7 +24,7 @@ scan; autodiff gives the backward.  Inside a chunk levels ``0..lc`` are ``(Λ �
 (``core.block_levels.chunk_window``).  With ``terms="kernel"`` the window and the levels are
 Triton kernels (``kernels.loglinear_gdn.gdn_blocks.output``, its backward the window's by XLA
 and the levels' by Triton).
-Shapes as in ``ops.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
+Shapes as in ``ops.families.loglinear``; ``T`` is zero-padded to chunks (zero tokens are identity
 transitions). The chunk terms are formed in the state dtype at the caller's matmul precision
 (``common.matmul_precision``; ``terms="kernel"``'s kernels: float32 factors as two 16-bit halves in
 the UT transform, TF32 in the Triton chunk terms but for ``Z``'s 16-bit product). With 16-bit
@@ -48,9 +47,9 @@ from hla_jax.core.layout import heads_first
 from hla_jax.core.state import state_dtype
 from hla_jax.kernels.loglinear_gdn import gdn_blocks
 from hla_jax.ops import common
-from hla_jax.ops.loglinear_blocks import dot16
-from hla_jax.ops.loglinear_chunked import chunk_terms
-from hla_jax.ops.ssm import combine
+from hla_jax.ops.xla.loglinear_blocks import dot16
+from hla_jax.ops.xla.loglinear_chunked import chunk_terms
+from hla_jax.ops.xla.ssm import combine
 
 
 def _pairs(Pi, Z, dot):

@@ -8,10 +8,10 @@ A token's transition is ``A_t = a_t`` (Mamba-2, stored as ``[..., 1, 1]``) or
     plain:      o_t = q_tᵀ Σ_{s≤t} (A_t ⋯ A_{s+1}) X_s
     log-linear: o_t = Σ_{s≤t} λ_t^{ℓ(t,s)} q_tᵀ (A_t ⋯ A_{s+1}) X_s,  ℓ(t,s) = bit_length(t XOR s)
 
-The serial recurrence and the token-level scan share one algebra (``ops.ssm``), the level split
-switched off with ``lam=None``; the chunked forms are separate (``ops.la_chunked``,
-``ops.gdn_chunked``, ``ops.loglinear_blocks``, ``ops.loglinear_gdn_blocks``,
-``ops.loglinear_chunked``).
+The serial recurrence and the token-level scan share one algebra (``xla.ssm``), the level split
+switched off with ``lam=None``; the chunked forms are separate (``xla.la_chunked``,
+``xla.gdn_chunked``, ``xla.loglinear_blocks``, ``xla.loglinear_gdn_blocks``,
+``xla.loglinear_chunked``).
 
 Packed documents (docs/math.md#packed-documents, ``segment_ids: [B,T]`` int): the transition of
 a document's first token is zero (``g = -inf``, so no state crosses a start) and the log-linear
@@ -33,9 +33,10 @@ from hla_jax.core import fenwick
 from hla_jax.core.documents import doc_positions, doc_starts
 from hla_jax.core.state import state_dtype
 from hla_jax.ops import common
-from hla_jax.ops.ssm import cast, cast_state, combine, init_state, readout, reset, step, token_summaries
+from hla_jax.ops.spec import gate
+from hla_jax.ops.xla.ssm import cast, cast_state, combine, init_state, readout, reset, step, token_summaries
 
-__all__ = ["combine", "init_state", "readout", "recurrent", "scan", "step", "token_summaries"]
+__all__ = ["recurrent", "recurrent_form", "scan", "scan_form"]
 
 
 # --------------------------------------------------------------------------- forms
@@ -101,3 +102,14 @@ def scan(q, k, v, g, beta=None, lam=None, segment_ids=None):
     lam_l = jnp.moveaxis(lam[..., 1:levels], -1, 0)[..., None]    # [ℓ, B, T, H, 1]
     return lam[..., 0:1] * readout(X, q) + jnp.sum(
         jnp.where(left, 0, lam_l) * readout(blocks, q[None]), axis=0)
+
+
+def recurrent_form(c):
+    """``recurrent`` as a form of any operator of the core (``ops.spec``: a ``Call`` in,
+    ``(o, final_state)`` out)."""
+    return recurrent(c.q, c.k, c.v, gate(c, False), c.beta, c.lam, c.initial_state, c.segment_ids)
+
+
+def scan_form(c):
+    """``scan`` as a form of any operator of the core; ``(o, None)``."""
+    return scan(c.q, c.k, c.v, gate(c, False), c.beta, c.lam, c.segment_ids), None
