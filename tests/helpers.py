@@ -15,7 +15,9 @@ def devices_env(n: int = 8, **extra) -> dict:
     JAX starts there), keeping the suite's XLA flags (``conftest.py``) and adding ``extra``."""
     flags = " ".join(filter(None, (os.environ.get("XLA_FLAGS"),
                                    f"--xla_force_host_platform_device_count={n}")))
-    return dict(os.environ, XLA_FLAGS=flags, **extra)
+    # a test file run as a script from its layer's folder imports these helpers and the package
+    path = os.pathsep.join(filter(None, (TESTS, str(ROOT), os.environ.get("PYTHONPATH"))))
+    return dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=path, **extra)
 
 
 def rel_err(out, ref) -> float:
@@ -181,6 +183,7 @@ def data_cfg(**over):
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+TESTS = str(ROOT / "tests")
 TINY_LM = {  # configs/lm.py's tiny LM shrunk: d=32, one hla2 layer, T=32 (two chunks), batch 8
     "model.d_model": 32, "model.n_layers": 1, "model.chunk_size": 16, "data.seq_len": 32,
     "data.batch_size": 8, "data.eval_fraction": 0.2, "optim.decay_steps": 8,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from helpers import assert_close, compilation_cache_restored  # noqa: E402
 

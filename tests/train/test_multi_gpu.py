@@ -14,7 +14,7 @@ import sys
 
 from helpers import devices_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEVICES = 8
 LM = ["--T", "256", "--chunk", "16", "--steps", "3", "--d_model", "32", "--head_dim", "16",
       "--layers", "1"]

@@ -1,5 +1,5 @@
 """Smoke runs of the experiment scripts at tiny settings: results JSON (with its provenance), PNG
-and Markdown table (MQAR: tests/test_mqar_experiment.py); the kernel tools on a CPU."""
+and Markdown table (MQAR: tests/docs/test_mqar_experiment.py); the kernel tools on a CPU."""
 
 import json
 import pathlib
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from experiments import bench_decode, bench_ops, long_context, niah, position_loss  # noqa: E402

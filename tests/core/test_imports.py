@@ -8,7 +8,7 @@ import ast
 import collections
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hla_jax"
+PACKAGE = Path(__file__).resolve().parents[2] / "hla_jax"
 
 
 def module_name(path: Path) -> str:

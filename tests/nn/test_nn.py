@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from helpers import assert_close
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from experiments.bench_prefill import longest_loop  # noqa: E402
 from hla_jax.nn import LM, MIXERS, ModelConfig, flops_per_token, generate, param_count  # noqa: E402

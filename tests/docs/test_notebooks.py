@@ -10,7 +10,7 @@ import jupytext
 import nbformat
 import pytest
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 PAIRED = sorted(NOTEBOOKS.glob("*.py"))
 JUPYTER = pathlib.Path(sys.executable).parent / "jupyter"
 

@@ -25,7 +25,7 @@ def test_sharded_equals_unsharded_on_8_devices():
     XLA_FLAGS before jax starts.
     """
     env = devices_env(8)
-    res = subprocess.run([sys.executable, os.path.join(HERE, "sequence_check.py")], env=env,
+    res = subprocess.run([sys.executable, os.path.join(HERE, "..", "sequence_check.py")], env=env,
                          capture_output=True, text=True, timeout=600)
     report = res.stdout + res.stderr[-3000:]
     assert res.returncode == 0, report

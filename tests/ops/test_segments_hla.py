@@ -223,7 +223,7 @@ def test_sharded_segments_on_8_devices():
     shards, at shard boundaries and span whole shards; tests/sequence_check.py ``segments``."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = devices_env(8)
-    res = subprocess.run([sys.executable, os.path.join(here, "sequence_check.py"), "segments"],
+    res = subprocess.run([sys.executable, os.path.join(here, "..", "sequence_check.py"), "segments"],
                          env=env, capture_output=True, text=True, timeout=600)
     report = res.stdout + res.stderr[-3000:]
     assert res.returncode == 0, report

@@ -10,7 +10,7 @@ import itertools
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
 EXTENSIONS = ("json", "md", "png", "txt", "csv", "log")
 CITATION = re.compile(r"(?:results-data|experiments/results)/((?:[\w.\-]|\{[\w.,\-]*\})+)")

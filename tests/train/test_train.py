@@ -28,7 +28,7 @@ from hla_jax.train import trainer as trainer_lib
 from hla_jax.train.config import base_config
 from hla_jax.train.optim import decay_mask
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)
