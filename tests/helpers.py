@@ -20,6 +20,15 @@ def devices_env(n: int = 8, **extra) -> dict:
     return dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=path, **extra)
 
 
+def state_loss(fn, wo, wh):
+    """``Σ o·wo + Σ h_T·wh`` of ``fn(*args) -> (o, h_T)``, ``fn`` run once (a kernel run in its
+    interpreter is the slow part of a test)."""
+    def f(*args):
+        o, h = fn(*args)
+        return jnp.sum(o * wo) + jnp.sum(h * wh)
+    return f
+
+
 def rel_err(out, ref) -> float:
     """``‖out − ref‖ / ‖ref‖`` in float64; NaN or inf anywhere gives inf."""
     out = np.asarray(out, np.float64)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, keys_around_one_direction, lower_for
+from helpers import assert_close, keys_around_one_direction, lower_for, state_loss
 
 from hla_jax import ops
 from hla_jax.kernels import gated_deltanet_pallas
@@ -89,11 +89,8 @@ def check_against_recurrence(rng, B, T, H, d, dv, case, backend, pieces=1):
     wo = jnp.asarray(rng.normal(size=(B, T, H, dv)), jnp.float32)
     wh = jnp.asarray(rng.normal(size=(B, H, d, dv)), jnp.float32)
 
-    def loss(fn):
-        return lambda *a: jnp.sum(fn(*a)[0] * wo) + jnp.sum(fn(*a)[1] * wh)
-
-    got = jax.grad(loss(run), argnums=range(6))(*args)
-    want = jax.grad(loss(oracle), argnums=range(6))(*args)
+    got = jax.grad(state_loss(run, wo, wh), argnums=range(6))(*args)
+    want = jax.grad(state_loss(oracle, wo, wh), argnums=range(6))(*args)
     for a, b, what in zip(got, want, ("dq", "dk", "dv", "dg", "dbeta", "dh0")):
         assert_close(a, b, tol, what)
 
@@ -112,14 +109,11 @@ def test_gate_gradient_does_not_drift_over_long_sequences(rng):
     wo = rng.normal(size=(B, T, H, dv))
     wh = rng.normal(size=(B, H, d, dv))
 
-    def loss(fn, dt):
-        return lambda *a: (jnp.sum(fn(*a)[0] * jnp.asarray(wo, dt))
-                           + jnp.sum(fn(*a)[1] * jnp.asarray(wh, dt)))
-
-    got = jax.grad(loss(kernel, jnp.float32), argnums=3)(*args)
+    narrow = [jnp.asarray(w, jnp.float32) for w in (wo, wh)]
+    got = jax.grad(state_loss(kernel, *narrow), argnums=3)(*args)
     with jax.enable_x64(True):
         wide = [jnp.asarray(np.asarray(x.astype(jnp.float32)), jnp.float64) for x in args]
-        want = jax.grad(loss(oracle64, jnp.float64), argnums=3)(*wide)
+        want = jax.grad(state_loss(oracle64, *map(jnp.asarray, (wo, wh))), argnums=3)(*wide)
     assert_close(got, want, 4e-3, "dg")
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, state_loss
 
 from hla_jax.kernels import mosaic_gpu
 from hla_jax.kernels.la import la_mgpu
@@ -50,11 +50,8 @@ def test_matches_oracle(rng, B, T, H, d, dv, reset):
         assert_close(a, b, TOL, what)
     wo, wh = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((B, T, H, dv), (B, H, d, dv)))
 
-    def loss(fn):
-        return lambda *a: jnp.sum(fn(*a)[0] * wo) + jnp.sum(fn(*a)[1] * wh)
-
-    got = jax.grad(loss(kernel), argnums=range(5))(q, k, v, g, h0)
-    want = jax.grad(loss(oracle), argnums=range(5))(*f32, g, h0)
+    got = jax.grad(state_loss(kernel, wo, wh), argnums=range(5))(q, k, v, g, h0)
+    want = jax.grad(state_loss(oracle, wo, wh), argnums=range(5))(*f32, g, h0)
     for a, b, what in zip(got, want, ("dq", "dk", "dv", "dg", "dh0")):
         assert_close(a, b, TOL, what)
 
@@ -90,7 +87,7 @@ def test_pieces_equal_one_walk(rng, monkeypatch):
     def run(min_piece):
         monkeypatch.setattr(mosaic_gpu, "MIN_PIECE", min_piece)
         assert mosaic_gpu.pieces(B, H, dv, T // mosaic_gpu.C) == (4 if min_piece == 1 else 1)
-        loss = lambda *a: jnp.sum(kernel(*a)[0] * wo) + jnp.sum(kernel(*a)[1])
+        loss = state_loss(kernel, wo, jnp.ones_like(h0))
         return kernel(q, k, v, g, h0), jax.grad(loss, argnums=range(5))(q, k, v, g, h0)
 
     (o4, h4), g4 = run(1)

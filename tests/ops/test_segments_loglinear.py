@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, devices_env, grads_of, make_gate, make_qkv, rel_err
+from helpers import assert_close, devices_env, grads_of, make_gate, make_qkv, rel_err, state_loss
 
 from hla_jax import ops
 from hla_jax.core import fenwick
@@ -219,10 +219,9 @@ def test_pallas_continues_a_state(rng, name, t0, T):
     for a, b, what in zip(got, want, ("o", "final H")):
         assert_close(a, b, 2e-3, what)
     wo, wh = (jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in want)
-    loss = lambda f: lambda *a: jnp.sum(f(*a)[0] * wo) + jnp.sum(f(*a)[1] * wh)
     names = [n for n in ("q", "k", "v", "g", "beta", "lam") if n != "beta" or OPS[name][1]] + ["H0"]
-    for n, a, b in zip(names, jax.grad(loss(run("pallas")), range(len(args)))(*args),
-                       jax.grad(loss(run("recurrent")), range(len(args)))(*args)):
+    for n, a, b in zip(names, jax.grad(state_loss(run("pallas"), wo, wh), range(len(args)))(*args),
+                       jax.grad(state_loss(run("recurrent"), wo, wh), range(len(args)))(*args)):
         assert_close(a, b, 2e-3, "d" + n)
 
 

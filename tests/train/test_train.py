@@ -144,7 +144,7 @@ def test_tensorboard_events(tmp_path):
 MESH_SCRIPT = """
 import json, sys
 import jax
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {paths!r}  # this file's folder, then the tests' helpers
 from test_train import small, losses
 from hla_jax.train import check_config, make_optimizer, sharding, train_and_evaluate
 from hla_jax.train.trainer import init_state
@@ -166,8 +166,9 @@ def losses_on_meshes(tmp_path, meshes: dict, small_kw: dict, overrides: dict, ch
     (e.g. ``{"data.batch_size": 8}``) on each mesh of ``meshes`` (name -> mesh sizes), in a
     subprocess with 8 emulated CPU devices; ``checks``: code run there first (``c`` unset)."""
     env = devices_env(8, JAX_PLATFORMS="cpu")
-    script = MESH_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), checks=checks,
-                                meshes=meshes, small_kw=small_kw, overrides=overrides)
+    paths = [str(ROOT / "tests" / "train"), str(ROOT / "tests")]
+    script = MESH_SCRIPT.format(paths=paths, tmp=str(tmp_path), checks=checks, meshes=meshes,
+                                small_kw=small_kw, overrides=overrides)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
