@@ -17,7 +17,7 @@ import sys
 from absl import app, flags, logging
 
 from hla_jax.configs import SHIPPED
-from hla_jax.core.errors import root_cause
+from hla_jax.core.errors import message, root_cause
 from hla_jax.train.config import base_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
@@ -30,10 +30,6 @@ def fail(message: str, status: int = 1):
     logging.debug("traceback (shown with --verbosity=1):", exc_info=True)
     print(message, file=sys.stderr)
     sys.exit(status)
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def config_help() -> str:
@@ -97,13 +93,13 @@ def parse_flags(argv: list[str]) -> list[str]:
             fail(unknown_field(argv, str(root.args[0]) if root.args else ""))
         if isinstance(e, flags.Error):
             flag = str(e).split(": ", 1)[0]
-            message = (f"{flag}: {first_line(root)}" if root is not e and flag.startswith("flag ")
-                       else first_line(e))
+            text = (f"{flag}: {message(root)}" if root is not e and flag.startswith("flag ")
+                    else message(e))
         else:
-            message = f"{type(root).__name__}: {first_line(root)}"
+            text = f"{type(root).__name__}: {message(root)}"
         for resolved, path in given.items():
-            message = message.replace(resolved, path)
-        fail(message)
+            text = text.replace(resolved, path)
+        fail(text)
 
 
 class OptionalBackendNotice(std_logging.Filter):

@@ -11,9 +11,13 @@ def root_cause(error: BaseException) -> BaseException:
         error = inner
 
 
+def message(error: BaseException) -> str:
+    """The first line of ``error``'s message (its type's name when it has none)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def first_line(error: BaseException, limit: int = 300) -> str:
     """``Type: message`` of ``root_cause(error)``, its first line, at most ``limit`` characters
     of message."""
     error = root_cause(error)
-    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return f"{type(error).__name__}: {text[:limit]}"
+    return f"{type(error).__name__}: {message(error)[:limit]}"
